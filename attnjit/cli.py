@@ -1,0 +1,237 @@
+"""The ``attnjit`` command: warm, cache, info, render, catalog.
+
+Every subcommand exits non-zero with one clear line on failure (``attnjit: error: ...``); an unexpected exception
+is not swallowed (it propagates with its traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from . import knobs
+from .cache import Cache
+from .errors import AttnjitError, CatalogError
+from .specs import DEFAULT_ARCH, AttentionSpec, SpecError, dump_catalog, load_catalog
+
+
+def _err(msg: str) -> None:
+    print(f"attnjit: error: {msg}", file=sys.stderr)
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _cache(args) -> Cache:
+    return Cache(args.cache_dir) if getattr(args, "cache_dir", None) else Cache()
+
+
+def _specs(args) -> list[AttentionSpec]:
+    arch = args.arch or knobs.ARCH.get() or DEFAULT_ARCH
+    specs: list[AttentionSpec] = []
+    for path in args.catalogs:
+        for s in load_catalog(path, arch=arch):
+            if s not in specs:
+                specs.append(s)
+    for text in args.spec or []:
+        try:
+            s = AttentionSpec.parse(text if "arch=" in text or text.lstrip().startswith("{") else f"{text},arch={arch}")
+        except (SpecError, ValueError) as exc:
+            raise CatalogError("--spec", None, getattr(exc, "field", None), str(exc)) from None
+        if s not in specs:
+            specs.append(s)
+    if not specs:
+        raise CatalogError("(command line)", None, None, "no specs: give a catalog file or --spec key=value,...")
+    return specs
+
+
+def cmd_warm(args) -> int:
+    from .jit import warm
+
+    specs = _specs(args)
+    t0 = time.monotonic()
+    _progress(f"warming {len(specs)} spec(s) into {_cache(args).root}")
+    results = warm(specs, _cache(args), parallel=args.jobs, progress=_progress)
+    counts = {"built": 0, "cached": 0, "failed": 0}
+    for r in results:
+        counts[r.status] += 1
+    for r in results:
+        if r.status == "failed" and r.error is not None:
+            _err(f"{r.job.label}: {r.error.first_error} (log: {r.error.log_path})")
+    print(f"{len(specs)} specs: {counts['built']} built, {counts['cached']} cached, {counts['failed']} failed "
+          f"({time.monotonic() - t0:.1f} s)")
+    return 1 if counts["failed"] else 0
+
+
+def cmd_cache(args) -> int:
+    cache = _cache(args)
+    if args.action == "list":
+        rows = 0
+        for base, key, entry, problem in cache.iter_entries():
+            where = "root" if base == cache.root else f"layer {base}"
+            if entry is None:
+                print(f"{key[:16]}  BAD ({problem})  {where}")
+            else:
+                m = entry.manifest
+                print(f"{key[:16]}  {m.get('label', '?'):<56} {entry.bytes / 1024:8.1f} KiB  "
+                      f"{m.get('compile_seconds', 0):6.1f} s  {m.get('created', '?')}  {where}")
+            rows += 1
+        print(f"{rows} entries")
+        return 0
+    if args.action == "verify":
+        total = bad = 0
+        for base, key, entry, problem in cache.iter_entries():
+            total += 1
+            if entry is None:
+                bad += 1
+                print(f"BAD {cache.entry_dir(base, key)}: {problem}")
+        print(f"{total} entries checked, {bad} bad")
+        return 1 if bad else 0
+    if args.action == "clear":
+        n = cache.clear()
+        print(f"removed {n} entries from {cache.root}")
+        return 0
+    if args.action == "prune":
+        if args.max_bytes is None:
+            _err("cache prune needs --max-bytes N")
+            return 2
+        removed, remaining = cache.prune(args.max_bytes)
+        print(f"removed {removed} entries; {remaining} bytes remain in {cache.root}")
+        return 0
+    raise AssertionError(args.action)
+
+
+def cmd_info(args) -> int:
+    from .toolchain import nvcc
+
+    def version(pkg: str) -> str:
+        try:
+            return metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    print(f"attnjit {version('attnjit')}  python {sys.version.split()[0]}")
+    for pkg in ("torch", "cupy-cuda13x", "jinja2", "ninja", "filelock"):
+        print(f"  {pkg:<14} {version(pkg)}")
+    try:
+        tc = nvcc()
+        print(f"nvcc: {tc.path} (release {tc.release})")
+        print("  " + tc.version.splitlines()[-1] if tc.version else "")
+    except AttnjitError as exc:
+        print(f"nvcc: not found ({exc})")
+    arch = knobs.ARCH.get()
+    gpu = "none"
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            from .dispatch import device_arch
+
+            gpu = torch.cuda.get_device_name(0)
+            arch = arch or device_arch(0)
+    except Exception as exc:  # noqa: BLE001 (info reports what it can)
+        gpu = f"unavailable ({type(exc).__name__})"
+    print(f"gpu: {gpu}")
+    print(f"default arch: {arch or DEFAULT_ARCH}")
+    cache = _cache(args)
+    print(f"cache root: {cache.root} ({'writable' if cache.root_writable() else 'read-only'})")
+    print(f"cache layers: {', '.join(map(str, cache.layers)) or '(none; set ATTNJIT_CACHE_PATH)'}")
+    for base, st in cache.stats().items():
+        print(f"  {base}: {st['entries']} entries, {st['bytes'] / 1024:.1f} KiB" + ("" if st["exists"] else " (absent)"))
+    print(f"strict mode (ATTNJIT_JIT=0): {'on' if not knobs.JIT.get() else 'off'}")
+    return 0
+
+
+def cmd_render(args) -> int:
+    from .generator import render
+
+    for spec in _specs(args):
+        print(f"// ===== {spec.canonical()}")
+        sys.stdout.write(render(spec).source)
+    return 0
+
+
+def cmd_catalog(args) -> int:
+    specs: list[AttentionSpec] = []
+    path = Path(args.log)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        _err(f"cannot read {path}: {exc.strerror or exc}")
+        return 1
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            spec = AttentionSpec.from_dict(json.loads(json.loads(line)["spec"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            _err(f"{path}:{n}: not a dispatch record: {exc}")
+            return 1
+        if spec not in specs:
+            specs.append(spec)
+    text = dump_catalog(specs, header=f"Specs dispatched in {path.name} ({len(specs)}), written by attnjit catalog "
+                                      "from-log.\nPre-warm with: attnjit warm <this file>")
+    if args.output and args.output != "-":
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {len(specs)} specs to {args.output}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="attnjit", description="JIT attention kernels: pre-warm, inspect, render.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def spec_args(p):
+        p.add_argument("catalogs", nargs="*", help="spec catalog TOML files")
+        p.add_argument("--spec", action="append", help="a spec as key=value,... (repeatable)")
+        p.add_argument("--arch", help=f"target arch for specs that name none (default {DEFAULT_ARCH})")
+
+    p = sub.add_parser("warm", help="compile every spec of the catalogs into the cache")
+    spec_args(p)
+    p.add_argument("--jobs", "-j", type=int, help="parallel nvcc jobs (default: CPU count)")
+    p.add_argument("--cache-dir", help="cache root (default ATTNJIT_CACHE_DIR or ~/.cache/attnjit)")
+    p.set_defaults(fn=cmd_warm)
+
+    p = sub.add_parser("cache", help="list, verify, clear or prune the cache")
+    p.add_argument("action", choices=["list", "verify", "clear", "prune"])
+    p.add_argument("--max-bytes", type=int, help="prune: keep at most this many bytes of entries")
+    p.add_argument("--cache-dir", help="cache root")
+    p.set_defaults(fn=cmd_cache)
+
+    p = sub.add_parser("info", help="versions, nvcc, arch, cache root and layers")
+    p.add_argument("--cache-dir", help="cache root")
+    p.set_defaults(fn=cmd_info)
+
+    p = sub.add_parser("render", help="print the CUDA source of each spec")
+    spec_args(p)
+    p.set_defaults(fn=cmd_render)
+
+    p = sub.add_parser("catalog", help="turn a dispatch log (ATTNJIT_LOG) into a spec catalog")
+    p.add_argument("action", choices=["from-log"])
+    p.add_argument("log", help="JSONL written by ATTNJIT_LOG")
+    p.add_argument("-o", "--output", help="catalog file to write (default stdout)")
+    p.set_defaults(fn=cmd_catalog)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (AttnjitError, CatalogError, SpecError) as exc:
+        _err(str(exc).splitlines()[0])
+        return 1
+    except (ValueError, OSError) as exc:
+        _err(f"{type(exc).__name__}: {exc}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

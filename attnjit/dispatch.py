@@ -1,0 +1,250 @@
+"""Runtime: load cubins with CuPy, launch on torch's current stream, and record every dispatch.
+
+Loading happens in plan() (``module(spec, device)``, memoized per (key, device)); run() only calls a prepared
+``Launch``: it packs the kernel's parameter struct into a preallocated buffer and calls ``cuLaunchKernel`` on the
+current stream. Nothing is compiled, loaded or allocated there, so a run() can be captured in a CUDA graph.
+
+Every dispatch is recorded: op, canonical spec, cache key, kernel, where the binary came from (``memory``, or
+``disk``/``built`` for the first launch after loading, with compile ms), grid, block and the plan's decisions
+(split-KV). ``ATTNJIT_LOG=path.jsonl`` streams records; ``with attnjit.recording() as rec:`` collects them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+from . import knobs
+from .cache import Cache, touch
+from .errors import NoGPUError
+from .generator import PARAMS, KernelInfo, ParamLayout, render
+from .jit import Binary, ensure
+from .specs import AttentionSpec
+
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+
+
+# --- records --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DispatchRecord:
+    op: str
+    spec: str                    # canonical spec JSON
+    key: str
+    kernel: str
+    binary: str                  # memory | disk | built
+    compile_ms: float | None     # set when binary == "built"
+    load_ms: float | None        # set when binary != "memory"
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    plan: dict[str, Any] | None  # the plan's decisions (tile, split-KV, work items)
+    time: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+
+class Recording(list):
+    """The dispatch records of a ``recording()`` block, in order."""
+
+    def specs(self) -> list[AttentionSpec]:
+        out: list[AttentionSpec] = []
+        for r in self:
+            s = AttentionSpec.from_dict(json.loads(r.spec))
+            if s not in out:
+                out.append(s)
+        return out
+
+
+_recorders: list[Recording] = []
+_log_lock = threading.Lock()
+_log_state: dict[str, Any] = {"raw": None, "file": None}
+stats = {"launches": 0, "memory": 0, "disk": 0, "built": 0}
+
+
+@contextmanager
+def recording() -> Iterator[Recording]:
+    """Collect the dispatch records of the block: ``with attnjit.recording() as rec: ...``."""
+    rec = Recording()
+    _recorders.append(rec)
+    try:
+        yield rec
+    finally:
+        _recorders.remove(rec)
+
+
+def _log_file():
+    raw = os.environ.get(knobs.LOG.name) or None
+    if raw != _log_state["raw"]:
+        with _log_lock:
+            if _log_state["file"] is not None:
+                _log_state["file"].close()
+            _log_state["file"] = open(Path(raw).expanduser(), "a", buffering=1, encoding="utf-8") if raw else None
+            _log_state["raw"] = raw
+    return _log_state["file"]
+
+
+def _emit(record: DispatchRecord) -> None:
+    for rec in _recorders:
+        rec.append(record)
+    f = _log_file()
+    if f is not None:
+        with _log_lock:
+            f.write(record.to_json() + "\n")
+
+
+# --- devices --------------------------------------------------------------------------------------------
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def device_arch(device) -> str:
+    """The nvcc arch for a CUDA device: sm_90a on Hopper (arch-specific features), else sm_XY."""
+    override = knobs.ARCH.get()
+    if override:
+        return override
+    major, minor = _torch().cuda.get_device_capability(device)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def num_sms(device) -> int:
+    torch = _torch()
+    if device is not None and torch.device(device).type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return knobs.NUM_SMS.get() or 132
+
+
+_raw_stream = None
+
+
+def current_stream(device_index: int) -> int:
+    global _raw_stream
+    if _raw_stream is None:
+        torch = _torch()
+        fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _raw_stream = fn if fn is not None else (lambda i: torch.cuda.current_stream(i).cuda_stream)
+    return _raw_stream(device_index)
+
+
+# --- modules and launches -------------------------------------------------------------------------------
+
+class Module:
+    """One cubin loaded on one device."""
+
+    def __init__(self, binary: Binary, device_index: int):
+        import cupy
+
+        self.binary = binary
+        self.spec = binary.spec
+        self.key = binary.entry.key
+        self.device_index = device_index
+        t0 = time.perf_counter()
+        with cupy.cuda.Device(device_index):
+            self.raw = cupy.RawModule(path=str(binary.entry.cubin))
+            self.kernels: dict[str, Kernel] = {}
+            for name, info in render(self.spec).kernels.items():
+                fn = self.raw.get_function(name)
+                if info.smem > 48 * 1024:
+                    cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                      info.smem)
+                self.kernels[name] = Kernel(self, info, fn)
+        self.load_ms = binary.lookup_ms + (time.perf_counter() - t0) * 1e3
+        self._first_source: str | None = binary.how
+        touch(binary.entry)
+
+    def take_source(self) -> tuple[str, float | None, float | None]:
+        """(binary source, compile ms, load ms) for a dispatch: the first reports disk/built, later ones memory."""
+        how = self._first_source
+        if how is None:
+            return "memory", None, None
+        self._first_source = None
+        return how, self.binary.compile_ms, self.load_ms
+
+
+class Kernel:
+    def __init__(self, module: Module, info: KernelInfo, fn):
+        self.module, self.info, self.fn = module, info, fn
+        self.ptr = fn.ptr
+        self.layout: ParamLayout = PARAMS[info.params]
+
+    def occupancy(self, threads: int | None = None, smem: int | None = None) -> int:
+        import cupy
+
+        with cupy.cuda.Device(self.module.device_index):
+            return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+                self.ptr, threads or self.info.threads, self.info.smem if smem is None else smem)
+
+
+class Launch:
+    """A prepared launch: kernel, grid, block and a parameter buffer. Calling it packs and launches, nothing more."""
+
+    def __init__(self, op: str, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int] | None = None,
+                 smem: int | None = None, plan: dict[str, Any] | None = None):
+        self.op, self.kernel, self.grid = op, kernel, tuple(int(g) for g in grid)
+        self.block = block or (kernel.info.threads, 1, 1)
+        self.smem = kernel.info.smem if smem is None else smem
+        self.plan = plan
+        self.layout = kernel.layout
+        self._buf = ctypes.create_string_buffer(self.layout.size)
+        self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
+        self._argv_ptr = ctypes.addressof(self._argv)
+        self._device_index = kernel.module.device_index
+        import cupy
+
+        self._launch = cupy.cuda.driver.launchKernel
+
+    def __call__(self, values: list) -> None:
+        self.layout.struct.pack_into(self._buf, 0, *values)
+        gx, gy, gz = self.grid
+        bx, by, bz = self.block
+        if gx and gy and gz:
+            self._launch(self.kernel.ptr, gx, gy, gz, bx, by, bz, self.smem, current_stream(self._device_index),
+                         self._argv_ptr, 0)
+        module = self.kernel.module
+        how, compile_ms, load_ms = module.take_source()
+        stats["launches"] += 1
+        stats[how] += 1
+        if _recorders or _log_file() is not None:
+            _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
+                                 binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,
+                                 block=tuple(self.block), smem=self.smem, plan=self.plan))
+
+
+_modules: dict[tuple[AttentionSpec, int], Module] = {}
+_modules_lock = threading.Lock()
+
+
+def module(spec: AttentionSpec, device, cache: Cache | None = None) -> Module:
+    """The spec's module loaded on ``device`` (memoized per spec and device; built or read from disk once)."""
+    torch = _torch()
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise NoGPUError(f"attnjit kernels run on CUDA devices; got device {dev}")
+    if not torch.cuda.is_available():
+        raise NoGPUError("no CUDA device is available (torch.cuda.is_available() is False)")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    memo = (spec, index)
+    mod = _modules.get(memo)
+    if mod is None:
+        with _modules_lock:
+            mod = _modules.get(memo)
+            if mod is None:
+                mod = Module(ensure(spec, cache), index)
+                _modules[memo] = mod
+    return mod
+
+
+def clear_memory() -> None:
+    """Forget loaded modules (tests; a process that changed its cache)."""
+    _modules.clear()

@@ -1,0 +1,331 @@
+"""spec -> CUDA source (+ kernel names and launch shapes). Deterministic: the same spec renders the same bytes.
+
+The templates (``templates/*.cu.jinja``) bind the spec's constants and instantiate kernels; the CUDA itself lives in
+ordinary headers (``templates/include/attnjit/*.cuh``) that this module inlines, with ``#line`` directives, so
+the rendered source is self-contained: its bytes are everything the compiler sees besides the toolkit.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import struct as _struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+
+from .specs import AttentionSpec
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+INCLUDE_DIR = TEMPLATE_DIR / "include"
+
+_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+_TEMPLATE = {"prefill": "attention.cu.jinja", "decode": "attention.cu.jinja",
+             "merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.jinja"}
+
+
+# --- kernel parameter structs ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    kind: str  # ptr | i64 | f64: every field is 8 bytes, so the struct has no padding
+    doc: str
+
+    @property
+    def ctype(self) -> str:
+        return {"ptr": "uint64_t", "i64": "int64_t", "f64": "double"}[self.kind]
+
+
+class ParamLayout:
+    """The byte layout of one kernel's parameter struct (rendered into the template from the same fields)."""
+
+    def __init__(self, fields: list[Param]):
+        self.fields = tuple(fields)
+        self.names = tuple(f.name for f in fields)
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.struct = _struct.Struct("<" + "".join({"ptr": "Q", "i64": "q", "f64": "d"}[f.kind] for f in fields))
+        self.size = self.struct.size
+
+    def values(self, **kwargs: int | float) -> list[int | float]:
+        missing = [n for n in self.names if n not in kwargs]
+        extra = [n for n in kwargs if n not in self.index]
+        if missing or extra:
+            raise TypeError(f"kernel parameters: missing {missing}, unknown {extra}")
+        return [kwargs[n] for n in self.names]
+
+
+def _p(spec: str) -> list[Param]:
+    out = []
+    for line in spec.strip().splitlines():
+        name, kind, doc = (s.strip() for s in line.split(":", 2))
+        out.append(Param(name, kind, doc))
+    return out
+
+
+PARAMS: dict[str, ParamLayout] = {
+    "attention": ParamLayout(_p("""
+        q: ptr: [nnz_qo, H_q, D] queries
+        k: ptr: keys: paged cache view or ragged [nnz_kv, H_kv, D]
+        v: ptr: values, same strides as k
+        o: ptr: [nnz_qo, H_q, D] output
+        lse: ptr: [nnz_qo, H_q] f32 base-2 log-sum-exp, or 0
+        tmp_o: ptr: [slots, H_q, D] f32 partial outputs of split requests
+        tmp_lse: ptr: [slots, H_q] f32 partial lse of split requests
+        qo_indptr: ptr: [B+1] i32 query rows per request
+        kv_indptr: ptr: [B+1] i32 page-table offsets (paged) or kv token offsets (ragged)
+        kv_indices: ptr: [*] i32 page ids in logical order (paged)
+        kv_lens: ptr: [B] i32 kv tokens per request (current queries included)
+        work_req: ptr: [W] i32 request of each work item
+        work_qtile: ptr: [W] i32 q tile (of CTA_Q packed rows) of each work item
+        work_kv_begin: ptr: [W] i32 first kv token of each work item
+        work_kv_end: ptr: [W] i32 end kv token of each work item
+        work_pslot: ptr: [W] i32 partial slot of each work item's first token, -1 = write the output
+        work_count: ptr: [1] i32 number of work items
+        q_stride_n: i64: q token stride (elements)
+        q_stride_h: i64: q head stride
+        o_stride_n: i64: o token stride
+        o_stride_h: i64: o head stride
+        kv_stride_0: i64: paged: page stride; ragged: token stride
+        kv_stride_1: i64: paged: slot stride (NHD) or head stride (HND); ragged: head stride
+        num_qo_heads: i64: H_q
+        sm_scale_log2: f64: sm_scale * log2(e)
+    """)),
+    "merge_partials": ParamLayout(_p("""
+        tmp_o: ptr: [slots, H_q, D] f32 partial outputs
+        tmp_lse: ptr: [slots, H_q] f32 partial lse
+        o: ptr: [nnz_qo, H_q, D] output
+        lse: ptr: [nnz_qo, H_q] f32 output lse, or 0
+        merge_tok: ptr: [M] i32 output token of each merge row
+        merge_slot: ptr: [M] i32 first partial slot
+        merge_stride: ptr: [M] i32 slots between consecutive chunks
+        merge_num: ptr: [M] i32 number of chunks
+        merge_count_total: ptr: [1] i32 number of merge rows
+        o_stride_n: i64: o token stride
+        o_stride_h: i64: o head stride
+        num_qo_heads: i64: H_q
+    """)),
+    "merge_two": ParamLayout(_p("""
+        v_a: ptr: [rows, H, D]
+        lse_a: ptr: [rows, H] f32
+        v_b: ptr: [rows, H, D]
+        lse_b: ptr: [rows, H] f32
+        v_out: ptr: [rows, H, D] (may be v_a)
+        lse_out: ptr: [rows, H] f32 (may be lse_a)
+        mask: ptr: [rows] bool, or 0 for all rows
+        num_rows: i64: rows
+        num_heads: i64: H
+        v_a_stride_n: i64: element strides
+        v_a_stride_h: i64: .
+        v_b_stride_n: i64: .
+        v_b_stride_h: i64: .
+        v_out_stride_n: i64: .
+        v_out_stride_h: i64: .
+        lse_a_stride_n: i64: .
+        lse_a_stride_h: i64: .
+        lse_b_stride_n: i64: .
+        lse_b_stride_h: i64: .
+        lse_out_stride_n: i64: .
+        lse_out_stride_h: i64: .
+    """)),
+    "merge_many": ParamLayout(_p("""
+        v: ptr: [rows, num_states, H, D]
+        lse: ptr: [rows, num_states, H] f32
+        v_out: ptr: [rows, H, D]
+        lse_out: ptr: [rows, H] f32
+        num_rows: i64: rows
+        num_states: i64: states per row
+        num_heads: i64: H
+        v_stride_n: i64: element strides
+        v_stride_s: i64: .
+        v_stride_h: i64: .
+        lse_stride_n: i64: .
+        lse_stride_s: i64: .
+        lse_stride_h: i64: .
+        v_out_stride_n: i64: .
+        v_out_stride_h: i64: .
+        lse_out_stride_n: i64: .
+        lse_out_stride_h: i64: .
+    """)),
+    "append": ParamLayout(_p("""
+        k: ptr: [nnz, H_kv, D] new keys
+        v: ptr: [nnz, H_kv, D] new values
+        batch_indices: ptr: [nnz] i32 request of each token
+        positions: ptr: [nnz] i32 position of each token in its request
+        kv_indptr: ptr: [B+1] i32 page-table offsets
+        kv_indices: ptr: [*] i32 page ids
+        k_cache: ptr: key pages
+        v_cache: ptr: value pages (same strides as k_cache)
+        nnz: i64: tokens
+        num_heads: i64: H_kv
+        batch_size: i64: B
+        num_pages: i64: pages in the cache
+        k_stride_n: i64: element strides of k
+        k_stride_h: i64: .
+        v_stride_n: i64: element strides of v
+        v_stride_h: i64: .
+        cache_stride_page: i64: page stride of the cache views
+        cache_stride_inner: i64: slot stride (NHD) or head stride (HND)
+    """)),
+}
+
+
+# --- tile configurations ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Tile:
+    """One attention kernel instance's tiling; mirrors ``AttentionTraits`` (the template static_asserts it)."""
+
+    head_dim: int
+    warps_q: int
+    warps_kv: int
+    mma_q: int
+    mma_kv: int
+    stages: int
+    min_blocks: int
+
+    @property
+    def cta_q(self) -> int:
+        return self.warps_q * self.mma_q * 16
+
+    @property
+    def cta_kv(self) -> int:
+        return self.warps_kv * self.mma_kv * 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_q * self.warps_kv
+
+    @property
+    def smem(self) -> int:
+        d = self.head_dim
+        pipe = 2 * self.stages * self.cta_kv * d * 2
+        merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
+        return self.cta_q * d * 2 + max(pipe, merge)
+
+    @property
+    def name(self) -> str:
+        return f"q{self.cta_q}_kv{self.cta_kv}_w{self.warps_q}x{self.warps_kv}"
+
+    @property
+    def kernel(self) -> str:
+        return f"attnjit_attention_{self.name}"
+
+
+def _narrow_tile(head_dim: int, group_size: int) -> Tile:
+    """Few packed rows (decode; prefill of 1-2 tokens): warps split the KV tile, one row block per group."""
+    rows = -(-group_size // 16) * 16
+    stages = {64: 4, 128: 3, 256: 2}[head_dim]
+    min_blocks = 1 if head_dim == 256 else 2
+    if rows <= 32:
+        return Tile(head_dim, warps_q=1, warps_kv=4, mma_q=rows // 16, mma_kv=1, stages=stages, min_blocks=min_blocks)
+    return Tile(head_dim, warps_q=rows // 16, warps_kv=1, mma_q=1, mma_kv=4, stages=2, min_blocks=min_blocks)
+
+
+def _wide_tile(head_dim: int) -> Tile:
+    """Many packed rows (prefill): warps split the q rows, each warp sweeps the whole KV tile."""
+    if head_dim == 256:
+        return Tile(head_dim, warps_q=4, warps_kv=1, mma_q=1, mma_kv=2, stages=2, min_blocks=1)
+    return Tile(head_dim, warps_q=4, warps_kv=1, mma_q=2, mma_kv=4, stages=2, min_blocks=2 if head_dim == 64 else 1)
+
+
+def tiles_for(spec: AttentionSpec) -> tuple[Tile, ...]:
+    """Kernel instances a spec's module holds, narrowest first. plan() picks one per batch."""
+    if spec.op == "decode":
+        return (_narrow_tile(spec.head_dim_qk, spec.group_size),)
+    if spec.op == "prefill":
+        narrow, wide = _narrow_tile(spec.head_dim_qk, spec.group_size), _wide_tile(spec.head_dim_qk)
+        return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
+    return ()
+
+
+# --- rendering -----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class KernelInfo:
+    name: str
+    threads: int
+    smem: int
+    params: str  # key into PARAMS
+    tile: Tile | None = None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    spec: AttentionSpec
+    source: str
+    kernels: dict[str, KernelInfo] = field(hash=False)
+    template: str
+
+
+_INCLUDE_RE = re.compile(r'^[ \t]*#include[ \t]+"(attnjit/[^"]+)"[ \t]*$', re.M)
+
+
+def _inline_includes(text: str, origin: str, seen: set[str]) -> str:
+    """Replace ``#include "attnjit/x.cuh"`` by the header's text (once each, like #pragma once)."""
+    out: list[str] = []
+    pos = 0
+    for m in _INCLUDE_RE.finditer(text):
+        out.append(text[pos:m.start()])
+        name = m.group(1)
+        line_after = text.count("\n", 0, m.end()) + 2
+        if name not in seen:
+            seen.add(name)
+            header = (INCLUDE_DIR / name).read_text(encoding="utf-8")
+            header = re.sub(r"^[ \t]*#pragma once[ \t]*$", "", header, flags=re.M)
+            out.append(f'#line 1 "{name}"\n')
+            body = _inline_includes(header, name, seen)
+            out.append(body if body.endswith("\n") else body + "\n")
+            out.append(f'#line {line_after} "{origin}"')
+        else:
+            out.append(f"// {name}: already included")
+        pos = m.end()
+    out.append(text[pos:])
+    return "".join(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
+    cpp_bool = lambda b: "true" if b else "false"  # noqa: E731
+    ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": {k: v.fields for k, v in PARAMS.items()}}
+    kernels: dict[str, KernelInfo] = {}
+    if spec.op in ("prefill", "decode"):
+        tiles = tiles_for(spec)
+        ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_qk,
+                   group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
+                   paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
+                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles, merge_block=128)
+        for t in tiles:
+            kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, "attention", t)
+        kernels["attnjit_merge_partials"] = KernelInfo("attnjit_merge_partials", 128, 0, "merge_partials")
+    elif spec.op == "merge_state":
+        ctx.update(ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_vo, block=128)
+        kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, "merge_two")
+        kernels["attnjit_merge_states"] = KernelInfo("attnjit_merge_states", 128, 0, "merge_many")
+    elif spec.op == "append_kv":
+        ctx.update(ctype_kv=_CTYPE[spec.dtype_kv], head_dim=spec.head_dim_qk, page_size=spec.page_size,
+                   hnd=cpp_bool(spec.layout == "HND"), block=128)
+        kernels["attnjit_append_kv"] = KernelInfo("attnjit_append_kv", 128, 0, "append")
+    return ctx, kernels
+
+
+@functools.lru_cache(maxsize=512)
+def render(spec: AttentionSpec) -> Rendered:
+    """The CUDA source of ``spec``'s module, with the kernels it defines."""
+    template_name = _TEMPLATE[spec.op]
+    ctx, kernels = _context(spec)
+    text = _environment().get_template(template_name).render(**ctx)
+    source = _inline_includes(text, template_name, set())
+    return Rendered(spec=spec, source=source, kernels=kernels, template=template_name)

@@ -1,0 +1,65 @@
+"""The JIT path from a spec to a binary in the cache: render, key, look up, build on a miss.
+
+``ensure`` serves the runtime (one spec, honouring strict mode); ``warm`` serves pre-warming (many specs, built in
+parallel, failures reported per spec).
+"""
+
+from __future__ import annotations
+
+import shlex
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from . import knobs
+from .cache import BuildResult, Cache, Entry, Job
+from .errors import CacheMissError
+from .generator import render
+from .specs import AttentionSpec
+from .toolchain import flags_for, nvcc
+
+
+def job_for(spec: AttentionSpec) -> Job:
+    rendered = render(spec)
+    return Job(source=rendered.source, flags=flags_for(spec.arch), nvcc=nvcc(), arch=spec.arch,
+               label=spec.short_name(), meta={"spec": spec.to_dict()}, context=spec)
+
+
+def warm_command(spec: AttentionSpec, cache: Cache) -> str:
+    return f"attnjit warm --spec {shlex.quote(spec.as_flags())} --cache-dir {shlex.quote(str(cache.root))}"
+
+
+@dataclass(frozen=True)
+class Binary:
+    spec: AttentionSpec
+    entry: Entry
+    how: str                     # disk | built
+    compile_ms: float | None     # when built
+    lookup_ms: float
+
+
+def ensure(spec: AttentionSpec, cache: Cache | None = None) -> Binary:
+    """The spec's binary: from the cache, else built (unless ATTNJIT_JIT=0, which raises CacheMissError)."""
+    cache = cache or Cache()
+    t0 = time.perf_counter()
+    job = job_for(spec)
+    entry = cache.lookup(job.key)
+    if entry is not None:
+        return Binary(spec, entry, "disk", None, (time.perf_counter() - t0) * 1e3)
+    if not knobs.JIT.get():
+        raise CacheMissError(spec, job.key, cache.search_path(), warm_command(spec, cache))
+    (result,) = cache.build([job])
+    if result.status == "failed":
+        assert result.error is not None
+        raise result.error
+    assert result.entry is not None
+    compile_ms = result.seconds * 1e3 if result.status == "built" and result.seconds is not None else None
+    return Binary(spec, result.entry, "built" if result.status == "built" else "disk", compile_ms,
+                  (time.perf_counter() - t0) * 1e3)
+
+
+def warm(specs: Sequence[AttentionSpec], cache: Cache | None = None, *, parallel: int | None = None,
+         progress: Callable[[str], None] | None = None) -> list[BuildResult]:
+    """Build every spec that is not cached yet; one result per spec, in order."""
+    cache = cache or Cache()
+    return cache.build([job_for(s) for s in specs], parallel=parallel, progress=progress)

@@ -1,0 +1,86 @@
+"""Every environment variable attnjit reads, declared once: name, type, default, meaning.
+
+Nothing else in the package calls ``os.environ``; it asks this module, at the moment it needs the
+value (so a test or a long-lived process that changes the environment sees the change).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Knob(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    meaning: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {exc}") from None
+
+    def is_set(self) -> bool:
+        return bool(os.environ.get(self.name))
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("expected a positive number of seconds")
+    return value
+
+
+def _path_list(raw: str) -> tuple[Path, ...]:
+    return tuple(Path(p).expanduser() for p in raw.split(":") if p)
+
+
+CACHE_DIR: Knob[Path | None] = Knob(
+    "ATTNJIT_CACHE_DIR", None, lambda s: Path(s).expanduser(),
+    "writable cache root (default ~/.cache/attnjit); --cache-dir overrides it")
+CACHE_PATH: Knob[tuple[Path, ...]] = Knob(
+    "ATTNJIT_CACHE_PATH", (), _path_list,
+    "colon-separated read-only cache layers, searched after the root (a warmed image or shared mount)")
+NVCC: Knob[Path | None] = Knob(
+    "ATTNJIT_NVCC", None, lambda s: Path(s).expanduser(),
+    "nvcc to build with; else $CUDA_HOME/bin/nvcc, else the nvcc on PATH")
+CUDA_HOME: Knob[Path | None] = Knob(
+    "CUDA_HOME", None, lambda s: Path(s).expanduser(), "CUDA toolkit root; its bin/nvcc is the second choice")
+JIT: Knob[bool] = Knob(
+    "ATTNJIT_JIT", True, _bool,
+    "1 (default): build a kernel on a cache miss; 0 (strict mode): a miss raises CacheMissError")
+LOG: Knob[Path | None] = Knob(
+    "ATTNJIT_LOG", None, lambda s: Path(s).expanduser(),
+    "append one JSON line per kernel dispatch to this file")
+LOCK_TIMEOUT: Knob[float] = Knob(
+    "ATTNJIT_LOCK_TIMEOUT", 900.0, _positive_float,
+    "seconds to wait for another process's build of the same kernel before giving up")
+ARCH: Knob[str | None] = Knob(
+    "ATTNJIT_ARCH", None, str,
+    "target arch for specs that name none (default: the current GPU's, else sm_90a)")
+JOBS: Knob[int | None] = Knob(
+    "ATTNJIT_JOBS", None, int, "parallel nvcc jobs for a build (default: CPU count)")
+NUM_SMS: Knob[int | None] = Knob(
+    "ATTNJIT_NUM_SMS", None, int,
+    "SM count the split-KV scheduler plans for when no GPU is present (default 132, an H100/H200)")
+
+ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, JOBS, NUM_SMS)

@@ -1,0 +1,1 @@
+"""The user-facing operations (FlashInfer-compatible names)."""

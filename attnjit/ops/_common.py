@@ -1,0 +1,145 @@
+"""Argument checking shared by the ops: every bad input fails here, with the argument's name and the rule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..specs import HEAD_DIMS, MAX_PAGE_SIZE
+
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+SPEC_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def as_dtype(value: Any, name: str) -> torch.dtype:
+    """torch.float16/bfloat16 or their names -> torch dtype; anything else is a TypeError naming the argument."""
+    if isinstance(value, torch.dtype):
+        if value in SPEC_DTYPE:
+            return value
+    elif isinstance(value, str):
+        key = value.strip().lower().removeprefix("torch.")
+        if key in _DTYPES:
+            return _DTYPES[key]
+    raise TypeError(f"{name}={value!r} is not supported: expected torch.float16 or torch.bfloat16")
+
+
+def check_tensor(name: str, t: Any, *, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+                 dim: int | None = None, device: torch.device | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtype is not None:
+        allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+        if t.dtype not in allowed:
+            raise TypeError(f"{name} must be {' or '.join(str(d) for d in allowed)}, got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {device}; everything must be on one device")
+    return t
+
+
+def check_metadata(name: str, t: Any, device: torch.device, length: int | None = None) -> torch.Tensor:
+    """int32, 1-D, on ``device`` (no silent conversion: int64 metadata is a TypeError)."""
+    if isinstance(t, torch.Tensor) and t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}; convert it with .to(torch.int32) "
+                        "(attnjit never converts metadata silently)")
+    check_tensor(name, t, dtype=torch.int32, dim=1, device=device)
+    if length is not None and t.numel() != length:
+        raise ValueError(f"{name} must have {length} elements, got {t.numel()}")
+    return t
+
+
+def check_indptr(name: str, values: list[int]) -> None:
+    if not values or values[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {values[0] if values else 'an empty tensor'}")
+    for i in range(len(values) - 1):
+        if values[i + 1] < values[i]:
+            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={values[i + 1]} < {name}[{i}]="
+                             f"{values[i]} (request {i})")
+
+
+def check_heads(num_qo_heads: Any, num_kv_heads: Any) -> int:
+    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
+    return num_qo_heads // num_kv_heads
+
+
+def check_head_dim(name: str, value: Any) -> int:
+    if type(value) is not int or value not in HEAD_DIMS:
+        raise ValueError(f"{name}={value!r} is not supported: allowed head dims are {', '.join(map(str, HEAD_DIMS))}")
+    return value
+
+
+def check_page_size(value: Any) -> int:
+    if type(value) is not int or value < 1 or value > MAX_PAGE_SIZE or value & (value - 1):
+        raise ValueError(f"page_size={value!r} is not supported: expected a power of two from 1 to {MAX_PAGE_SIZE}")
+    return value
+
+
+def check_layout(value: Any) -> str:
+    if value not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout={value!r} is not supported: expected 'NHD' or 'HND'")
+    return value
+
+
+def unsupported(**features: Any) -> None:
+    """FlashInfer arguments attnjit accepts for compatibility but does not implement yet."""
+    defaults = {"custom_mask": None, "packed_custom_mask": None, "pos_encoding_mode": "NONE", "window_left": -1,
+                "logits_soft_cap": None, "rope_scale": None, "rope_theta": None, "q_scale": None, "k_scale": None,
+                "v_scale": None, "sinks": None, "use_fp16_qk_reduction": False, "block_tables": None,
+                "seq_lens": None}
+    for name, value in features.items():
+        default = defaults.get(name)
+        same = value is default or value == default or (name == "logits_soft_cap" and value in (None, 0, 0.0))
+        if not same:
+            raise NotImplementedError(f"{name}={value!r} is not supported yet by attnjit (custom variants: soft-cap, "
+                                      "sliding window, ALiBi, custom masks come with the variant mechanism)")
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A paged KV cache as two views with identical strides. Shapes: NHD [P, page, H, D]; HND [P, H, page, D]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    stride_page: int   # elements between pages
+    stride_inner: int  # slot stride (NHD) / head stride (HND)
+
+
+def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
+    """Accept one [P, 2, ...] tensor or a (k, v) tuple, NHD or HND, and check the strides the kernels assume."""
+    if isinstance(cache, torch.Tensor):
+        if cache.dim() != 5 or cache.shape[1] != 2:
+            raise ValueError(f"{name} must be [num_pages, 2, page_size, H_kv, D] (NHD) or [num_pages, 2, H_kv, "
+                             f"page_size, D] (HND), or a (k, v) tuple; got shape {tuple(cache.shape)}")
+        k, v = cache[:, 0], cache[:, 1]
+    elif isinstance(cache, (tuple, list)) and len(cache) == 2:
+        k, v = cache
+        check_tensor(f"{name}[0] (k)", k, dim=4)
+        check_tensor(f"{name}[1] (v)", v, dim=4)
+        if k.shape != v.shape or k.stride() != v.stride() or k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(f"{name}: k and v must have one shape, strides, dtype and device; got k {tuple(k.shape)} "
+                             f"{k.stride()} {k.dtype} {k.device} and v {tuple(v.shape)} {v.stride()} {v.dtype} {v.device}")
+    else:
+        raise TypeError(f"{name} must be a 5-D tensor or a (k, v) tuple of 4-D tensors, got {type(cache).__name__}")
+    if layout == "NHD":
+        num_pages, page_size, heads, dim = k.shape
+    else:
+        num_pages, heads, page_size, dim = k.shape
+    # axis 1 (slots for NHD, heads for HND) has a run-time stride; axis 2 must be D apart, axis 3 contiguous
+    if k.stride(3) != 1 or (k.stride(2) != dim and k.shape[2] > 1):
+        what = "heads" if layout == "NHD" else "slots"
+        raise ValueError(f"{name}: the last dim must be contiguous and consecutive {what} {dim} elements apart "
+                         f"({layout} layout); got strides {k.stride()}. Use a contiguous cache.")
+    return PagedCache(k=k, v=v, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
+                      stride_page=k.stride(0), stride_inner=k.stride(1))

@@ -1,0 +1,138 @@
+"""The split-KV scheduler: turns request lengths into a work list that fills the GPU. Pure host code.
+
+A work item is (request, q tile of CTA_Q packed rows, KV range). Without splitting there is one item per
+(request, q tile); the grid's y dimension adds the KV heads. When those items cannot fill the GPU
+(``items * H_kv < slots``, slots = SMs x resident CTAs per SM), long histories are cut into equal chunks, the
+smallest chunk (a multiple of the KV tile, at least ``MIN_CHUNK`` tokens) for which the items still fit in one
+wave of slots. Each chunk of a split request writes an fp32 partial state per (token, head) to a workspace slot;
+a merge pass combines them. Items are ordered longest first, so the hardware scheduler starts the heavy ones
+first (LPT).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..generator import Tile
+
+MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
+
+
+@dataclass
+class WorkPlan:
+    tile: Tile
+    req: list[int] = field(default_factory=list)
+    qtile: list[int] = field(default_factory=list)
+    kv_begin: list[int] = field(default_factory=list)
+    kv_end: list[int] = field(default_factory=list)
+    pslot: list[int] = field(default_factory=list)
+    merge_tok: list[int] = field(default_factory=list)
+    merge_slot: list[int] = field(default_factory=list)
+    merge_stride: list[int] = field(default_factory=list)
+    merge_num: list[int] = field(default_factory=list)
+    chunk: int | None = None       # kv tokens per chunk of split requests; None = nothing split
+    num_slots: int = 0             # partial-state slots used
+    split_requests: int = 0
+    slots_target: int = 0          # SMs x CTAs per SM the plan aimed to fill
+
+    @property
+    def num_items(self) -> int:
+        return len(self.req)
+
+    def decision(self, num_kv_heads: int) -> dict:
+        return {"tile": self.tile.name, "work_items": self.num_items, "ctas": self.num_items * num_kv_heads,
+                "gpu_slots": self.slots_target, "split_kv": self.chunk is not None, "chunk_kv": self.chunk,
+                "split_requests": self.split_requests, "merge_rows": len(self.merge_tok)}
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, num_kv_heads: int, slots: int,
+                 slot_rows: Sequence[int], max_slots: int) -> int | None:
+    """The smallest chunk (multiple of cta_kv, >= MIN_CHUNK) whose items fit in ``slots`` CTAs, or None.
+
+    None when the unsplit items already fill the GPU, when no history is longer than the minimum chunk, or when
+    the partial states would not fit in the workspace (``max_slots``).
+    """
+    base = sum(t for t in tiles) * num_kv_heads
+    max_kv = max((k for t, k in zip(tiles, kv_lens) if t), default=0)
+    min_chunk = max(MIN_CHUNK, 2 * cta_kv)
+    if base >= slots or max_kv <= min_chunk:
+        return None
+
+    def items(c: int) -> int:
+        return sum(t * _ceil(k, c) for t, k in zip(tiles, kv_lens) if t and k) * num_kv_heads
+
+    def partial_slots(c: int) -> int:
+        return sum(rows * _ceil(k, c) for t, k, rows in zip(tiles, kv_lens, slot_rows) if t and k > c)
+
+    lo, hi = _ceil(min_chunk, cta_kv), _ceil(max_kv, cta_kv)  # in units of cta_kv
+    while lo < hi:  # smallest c with items(c) <= slots (items is non-increasing in c)
+        mid = (lo + hi) // 2
+        if items(mid * cta_kv) <= slots:
+            hi = mid
+        else:
+            lo = mid + 1
+    chunk = lo * cta_kv
+    while chunk < max_kv and partial_slots(chunk) > max_slots:
+        chunk *= 2
+    return chunk if chunk < max_kv else None
+
+
+def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int], group: int, tile: Tile,
+              causal: bool, num_kv_heads: int, slots: int, max_slots: int, allow_split: bool = True,
+              fixed_chunk: int | None = None) -> WorkPlan:
+    """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i])."""
+    tiles = [_ceil(q * group, tile.cta_q) if q else 0 for q in qo_lens]
+    if fixed_chunk is not None:
+        if fixed_chunk < 1:
+            raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
+        chunk = _ceil(fixed_chunk, tile.cta_kv) * tile.cta_kv
+    elif allow_split:
+        chunk = choose_chunk(tiles, kv_lens, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots,
+                             slot_rows=qo_lens, max_slots=max_slots)
+    else:
+        chunk = None
+    plan = WorkPlan(tile=tile, slots_target=slots)
+    items = []  # (cost, order, req, qtile, kv_begin, kv_end, pslot)
+    next_slot = 0
+    for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
+        if not t:
+            continue
+        n_chunks = _ceil(k, chunk) if chunk is not None and k > chunk else 1
+        base = -1
+        if n_chunks > 1:
+            base = next_slot
+            next_slot += n_chunks * q
+            plan.split_requests += 1
+            for tok in range(q):
+                plan.merge_tok.append(qo_offsets[i] + tok)
+                plan.merge_slot.append(base + tok)
+                plan.merge_stride.append(q)
+                plan.merge_num.append(n_chunks)
+        for qt in range(t):
+            rows = min(tile.cta_q, q * group - qt * tile.cta_q)
+            last_token = (qt * tile.cta_q + rows - 1) // group
+            causal_end = k - q + last_token + 1 if causal else k
+            for c in range(n_chunks):
+                kb = c * chunk if n_chunks > 1 else 0
+                ke = min(k, kb + chunk) if n_chunks > 1 else k
+                visited = max(0, min(ke, causal_end) - kb)
+                pslot = base + c * q if n_chunks > 1 else -1
+                items.append((-(rows * max(visited, 1)), len(items), i, qt, kb, ke, pslot))
+    if next_slot > max_slots:
+        raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
+                         f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")
+    items.sort()
+    for _cost, _order, i, qt, kb, ke, ps in items:
+        plan.req.append(i)
+        plan.qtile.append(qt)
+        plan.kv_begin.append(kb)
+        plan.kv_end.append(ke)
+        plan.pslot.append(ps)
+    plan.chunk = chunk if plan.split_requests else None
+    plan.num_slots = next_slot
+    return plan

@@ -1,0 +1,300 @@
+"""AttentionSpec: the frozen, validated description of one kernel module, and the TOML spec catalogs.
+
+A spec names everything that changes the generated code. It knows nothing about files or CUDA: the generator
+turns it into source, the cache turns source into a binary.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import tomllib
+from dataclasses import InitVar, dataclass, fields
+from pathlib import Path
+from typing import Any, Iterable
+
+from .errors import CatalogError
+
+OPS = ("prefill", "decode", "merge_state", "append_kv")
+HEAD_DIMS = (64, 128, 256)
+DTYPES = ("fp16", "bf16")
+MASKS = ("none", "causal")
+LAYOUTS = ("NHD", "HND")
+KV_KINDS = ("paged", "ragged")
+MAX_PAGE_SIZE = 128
+MAX_GROUP_SIZE = 64
+DEFAULT_ARCH = "sm_90a"
+
+_DTYPE_ALIASES = {
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+}
+_ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
+
+# Which fields each op uses. A field outside its op's set must be left unset: a spec never carries a value
+# that does not change its kernel, so two specs that compile to the same code are equal.
+_FIELDS_BY_OP = {
+    "prefill": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "mask", "layout",
+                "kv", "group_size"},
+    "decode": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "layout", "kv",
+               "group_size"},
+    "merge_state": {"head_dim_vo", "dtype_o"},
+    "append_kv": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_kv", "layout"},
+}
+
+
+class SpecError(ValueError):
+    """A spec field has a value no template supports. ``.field`` and ``.value`` name it."""
+
+    def __init__(self, field: str, value: Any, allowed: str):
+        self.field, self.value, self.allowed = field, value, allowed
+        super().__init__(f"AttentionSpec.{field}={value!r} is not supported: {allowed}")
+
+
+def canonical_dtype(value: Any, field: str) -> str:
+    key = str(value).strip().lower() if value is not None else None
+    if key not in _DTYPE_ALIASES:
+        raise SpecError(field, value, f"expected one of {', '.join(DTYPES)}")
+    return _DTYPE_ALIASES[key]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionSpec:
+    """One kernel module to generate. Frozen and validated on construction.
+
+    ``head_dim`` sets both ``head_dim_qk`` and ``head_dim_vo``; ``dtype`` sets ``dtype_q``, ``dtype_kv`` and
+    ``dtype_o``. Fields an op does not use stay ``None``.
+    """
+
+    op: str
+    head_dim_qk: int | None = None     # D of q and k
+    head_dim_vo: int | None = None     # D of v and o
+    page_size: int | None = None       # tokens per KV page (paged KV only)
+    dtype_q: str | None = None
+    dtype_kv: str | None = None
+    dtype_o: str | None = None
+    mask: str = "none"                 # none | causal (bottom-right aligned)
+    layout: str | None = None          # NHD | HND page layout (paged KV only)
+    kv: str | None = None              # paged | ragged (attention ops)
+    group_size: int | None = None      # H_q / H_kv, fused into one CTA
+    arch: str = DEFAULT_ARCH           # nvcc target, e.g. sm_90a
+    head_dim: InitVar[int | None] = None
+    dtype: InitVar[str | None] = None
+
+    def __post_init__(self, head_dim: int | None, dtype: str | None) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        if self.op not in OPS:
+            raise SpecError("op", self.op, f"expected one of {', '.join(OPS)}")
+        used = _FIELDS_BY_OP[self.op]
+        if head_dim is not None:
+            for name in ("head_dim_qk", "head_dim_vo"):
+                if name in used:
+                    if getattr(self, name) not in (None, head_dim):
+                        raise SpecError(name, getattr(self, name), f"conflicts with head_dim={head_dim}")
+                    set_(name, head_dim)
+        if dtype is not None:
+            for name in ("dtype_q", "dtype_kv", "dtype_o"):
+                if name in used:
+                    if getattr(self, name) not in (None, dtype):
+                        raise SpecError(name, getattr(self, name), f"conflicts with dtype={dtype!r}")
+                    set_(name, dtype)
+        # fill defaults for the op
+        if self.op in ("prefill", "decode"):
+            if self.kv is None:
+                set_("kv", "paged")
+            if self.group_size is None:
+                set_("group_size", 1)
+            if self.dtype_o is None and self.dtype_q is not None:
+                set_("dtype_o", self.dtype_q)
+        if ("layout" in used and self.layout is None and self.kv != "ragged"):
+            set_("layout", "NHD")
+        if self.op == "merge_state" and self.head_dim_vo is None and self.head_dim_qk is not None:
+            raise SpecError("head_dim_qk", self.head_dim_qk, "merge_state uses head_dim (or head_dim_vo) only")
+        # fields the op does not use must be unset
+        for f in fields(self):
+            if f.name in ("op", "arch") or f.name in used:
+                continue
+            value = getattr(self, f.name)
+            if value is not None and not (f.name == "mask" and value == "none"):
+                raise SpecError(f.name, value, f"op={self.op!r} does not use {f.name}; leave it unset")
+        self._validate(used)
+
+    def _validate(self, used: set[str]) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("head_dim_qk", "head_dim_vo"):
+            if name in used:
+                value = getattr(self, name)
+                if value is None:
+                    raise SpecError(name, None, f"op={self.op!r} needs it (or head_dim); allowed {HEAD_DIMS}")
+                if type(value) is not int or value not in HEAD_DIMS:
+                    raise SpecError(name, value, f"allowed head dims are {', '.join(map(str, HEAD_DIMS))}")
+        if {"head_dim_qk", "head_dim_vo"} <= used and self.head_dim_qk != self.head_dim_vo:
+            raise SpecError("head_dim_vo", self.head_dim_vo,
+                            f"must equal head_dim_qk={self.head_dim_qk} (different q/k and v/o dims are not "
+                            "supported yet)")
+        for name in ("dtype_q", "dtype_kv", "dtype_o"):
+            if name in used:
+                value = getattr(self, name)
+                if value is None:
+                    raise SpecError(name, None, f"op={self.op!r} needs it (or dtype); allowed {', '.join(DTYPES)}")
+                set_(name, canonical_dtype(value, name))
+        if {"dtype_q", "dtype_kv"} <= used and self.dtype_q != self.dtype_kv:
+            raise SpecError("dtype_kv", self.dtype_kv,
+                            f"must equal dtype_q={self.dtype_q!r} (mixed q/kv types are not supported yet)")
+        if "mask" in used and self.mask not in MASKS:
+            raise SpecError("mask", self.mask, f"expected one of {', '.join(MASKS)}")
+        if "kv" in used and self.kv not in KV_KINDS:
+            raise SpecError("kv", self.kv, f"expected one of {', '.join(KV_KINDS)}")
+        if self.op == "decode" and self.kv != "paged":
+            raise SpecError("kv", self.kv, "decode reads a paged KV cache; use op='prefill' for ragged KV")
+        paged = "page_size" in used and self.kv != "ragged"
+        if paged:
+            ps = self.page_size
+            if type(ps) is not int or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
+                raise SpecError("page_size", ps, f"expected a power of two from 1 to {MAX_PAGE_SIZE}")
+            if self.layout not in LAYOUTS:
+                raise SpecError("layout", self.layout, f"expected one of {', '.join(LAYOUTS)}")
+        elif "page_size" in used:
+            if self.page_size is not None:
+                raise SpecError("page_size", self.page_size, "ragged KV has no pages; leave it unset")
+            if self.layout not in (None, "NHD"):
+                raise SpecError("layout", self.layout, "ragged KV is [nnz_kv, H_kv, D] (NHD); leave it unset")
+            set_("layout", None)
+        if "group_size" in used:
+            g = self.group_size
+            if type(g) is not int or not 1 <= g <= MAX_GROUP_SIZE:
+                raise SpecError("group_size", g, f"expected an integer H_q/H_kv from 1 to {MAX_GROUP_SIZE}")
+        m = _ARCH_RE.match(str(self.arch))
+        if not m or int(m.group(1)) < 80:
+            raise SpecError("arch", self.arch, "expected sm_XY or sm_XYa with XY >= 80 (e.g. sm_90a, sm_80)")
+
+    # --- canonical form ---------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields that are set, in declaration order."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if getattr(self, f.name) is not None and not (f.name == "mask" and self.op not in ("prefill",))}
+
+    def canonical(self) -> str:
+        """The one serialized form: compact JSON, fields in declaration order, unset fields omitted."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AttentionSpec":
+        allowed = {f.name for f in fields(cls)} | {"head_dim", "dtype"}
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise SpecError(unknown[0], data[unknown[0]], f"unknown field; known fields: {', '.join(sorted(allowed))}")
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, text: str) -> "AttentionSpec":
+        """From canonical JSON or ``key=value,key=value`` (the CLI's ``--spec``)."""
+        text = text.strip()
+        if text.startswith("{"):
+            return cls.from_dict(json.loads(text))
+        data: dict[str, Any] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            if "=" not in part:
+                raise ValueError(f"spec item {part!r} is not key=value")
+            k, v = (s.strip() for s in part.split("=", 1))
+            data[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
+        return cls.from_dict(data)
+
+    def as_flags(self) -> str:
+        """``key=value,...`` form that ``parse`` and ``attnjit warm --spec`` accept."""
+        return ",".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+    def short_name(self) -> str:
+        """A readable label for logs and progress lines (not unique across arches of one op by itself)."""
+        d = self.to_dict()
+        parts = [self.op]
+        if self.kv:
+            parts.append(self.kv)
+        if self.op == "prefill":
+            parts.append(self.mask)
+        hd = self.head_dim_qk or self.head_dim_vo
+        parts.append(f"d{hd}")
+        if self.page_size:
+            parts.append(f"p{self.page_size}")
+        if self.group_size:
+            parts.append(f"g{self.group_size}")
+        parts.append(d.get("dtype_q") or d.get("dtype_kv") or d.get("dtype_o"))
+        if self.dtype_o and self.dtype_q and self.dtype_o != self.dtype_q:
+            parts.append(f"o{self.dtype_o}")
+        if self.layout:
+            parts.append(self.layout)
+        parts.append(self.arch)
+        return "-".join(str(p) for p in parts)
+
+    def replace(self, **changes: Any) -> "AttentionSpec":
+        data = self.to_dict()
+        data.update(changes)
+        return AttentionSpec.from_dict({k: v for k, v in data.items() if v is not None})
+
+
+# --- catalogs ------------------------------------------------------------------------------------------
+
+def expand_table(table: dict[str, Any]) -> list[dict[str, Any]]:
+    """A list value expands as a cartesian product, in key order."""
+    keys = list(table)
+    choices = [v if isinstance(v, list) else [v] for v in table.values()]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*choices)]
+
+
+def load_catalog(path: str | Path, *, arch: str | None = None) -> list[AttentionSpec]:
+    """Read a TOML catalog (``[[spec]]`` tables) into specs, de-duplicated, in file order.
+
+    ``arch`` fills in tables that name none. Errors name the file, the table and the field.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CatalogError(path, None, None, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CatalogError(path, None, None, f"not valid TOML: {exc}") from None
+    extra = sorted(set(doc) - {"spec"})
+    if extra:
+        raise CatalogError(path, None, extra[0], "unknown top-level key; a catalog holds [[spec]] tables only")
+    tables = doc.get("spec")
+    if not isinstance(tables, list) or not tables:
+        raise CatalogError(path, None, None, "no [[spec]] tables found")
+    allowed = {f.name for f in fields(AttentionSpec)} | {"head_dim", "dtype"}
+    specs: list[AttentionSpec] = []
+    for t, table in enumerate(tables):
+        for key, value in table.items():
+            if key not in allowed:
+                raise CatalogError(path, t, key, f"unknown field; known fields: {', '.join(sorted(allowed))}")
+            if isinstance(value, list) and not value:
+                raise CatalogError(path, t, key, "an empty list expands to no specs")
+            if isinstance(value, (dict,)) or (isinstance(value, list) and any(isinstance(v, (dict, list)) for v in value)):
+                raise CatalogError(path, t, key, "expected a scalar or a list of scalars")
+        if "op" not in table:
+            raise CatalogError(path, t, "op", f"missing; expected one of {', '.join(OPS)}")
+        for combo in expand_table(table):
+            if arch is not None and "arch" not in combo:
+                combo["arch"] = arch
+            try:
+                spec = AttentionSpec.from_dict(combo)
+            except SpecError as exc:
+                raise CatalogError(path, t, exc.field, f"{exc.value!r} is not supported: {exc.allowed}") from None
+            except TypeError as exc:
+                raise CatalogError(path, t, None, str(exc)) from None
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def dump_catalog(specs: Iterable[AttentionSpec], header: str = "") -> str:
+    """Write specs as a catalog that ``load_catalog`` reads back to the same specs (one table per spec)."""
+    lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    for spec in specs:
+        lines.append("")
+        lines.append("[[spec]]")
+        for k, v in spec.to_dict().items():
+            lines.append(f"{k} = {json.dumps(v)}")
+    return "\n".join(lines).lstrip("\n") + "\n"

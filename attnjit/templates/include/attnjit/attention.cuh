@@ -1,0 +1,496 @@
+// attnjit/attention.cuh: batch attention over a paged or ragged KV cache (prefill, decode, mixed batches).
+//
+// Work decomposition (decided on the host by plan()):
+//   * GQA packing: the GROUP query heads that share KV head `kv_head` are packed into the row dimension, so
+//     packed row r of a request is query token r / GROUP, query head kv_head * GROUP + r % GROUP. Every K/V
+//     byte loaded into shared memory serves the whole group.
+//   * A work item is (request, q tile of CTA_Q packed rows, KV range [kv_begin, kv_end)). blockIdx.y is the
+//     KV head; blockIdx.x walks the work list with stride gridDim.x (a fixed grid can serve any work list, which
+//     is what CUDA-graph replay needs).
+//   * A request whose history is split into chunks writes fp32 partial states (o, lse) to a workspace; the
+//     merge kernel below combines them. Unsplit requests write the output directly.
+//
+// Math, per packed row: s_j = q.k_j, visible iff j < kv_len and (!CAUSAL or j <= kv_len - qo_len + token)
+// (bottom-right aligned). Online softmax in base 2 with the scale sm_scale*log2(e) folded in:
+//   m = max_j s_j*scale2,  d = sum_j 2^(s_j*scale2 - m),  o = sum_j 2^(s_j*scale2 - m) v_j / d,  lse = m + log2(d)
+// which is lse = log2(sum_j exp(sm_scale * s_j)). A row with no visible key yields o = 0, lse = -inf.
+//
+// Inner loop (per warp): S = Q K^T with mma.sync m16n8k16 (A = Q rows from shared memory via ldmatrix, B = K
+// rows via ldmatrix), mask only on boundary/diagonal tiles, online softmax in registers, O += P V (A = P
+// re-packed from the S accumulators, B = V via ldmatrix.trans). K/V tiles arrive through a NUM_STAGES-deep
+// cp.async pipeline; the page ids of the tile after next are fetched into registers while a tile computes.
+#pragma once
+#include "attnjit/common.cuh"
+#include "attnjit/merge_state.cuh"
+#include "attnjit/paged.cuh"
+
+namespace attnjit {
+
+// Every tile and stage constant of one kernel instance.
+template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_,
+          bool HND_, int NUM_WARPS_Q_, int NUM_WARPS_KV_, int NUM_MMA_Q_, int NUM_MMA_KV_, int NUM_STAGES_>
+struct AttentionTraits {
+  using T = T_;    // q, k, v element type
+  using TO = TO_;  // output element type
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int GROUP = GROUP_;  // query heads per KV head
+  static constexpr bool CAUSAL = CAUSAL_;
+  static constexpr bool PAGED = PAGED_;
+  static constexpr int PAGE_SIZE = PAGE_SIZE_;
+  static constexpr int PAGE_SHIFT = ilog2(PAGE_SIZE_);
+  static constexpr bool HND = HND_;
+  static constexpr int NUM_WARPS_Q = NUM_WARPS_Q_;    // warps splitting the q rows of a tile
+  static constexpr int NUM_WARPS_KV = NUM_WARPS_KV_;  // warps splitting the kv columns of a tile
+  static constexpr int NUM_MMA_Q = NUM_MMA_Q_;        // m16 row blocks per warp
+  static constexpr int NUM_MMA_KV = NUM_MMA_KV_;      // 16-column kv blocks per warp per tile
+  static constexpr int NUM_STAGES = NUM_STAGES_;      // cp.async pipeline depth for K/V tiles
+  static constexpr int NUM_WARPS = NUM_WARPS_Q * NUM_WARPS_KV;
+  static constexpr int NUM_THREADS = 32 * NUM_WARPS;
+  static constexpr int WARP_ROWS = NUM_MMA_Q * 16;
+  static constexpr int WARP_COLS = NUM_MMA_KV * 16;
+  static constexpr int CTA_Q = NUM_WARPS_Q * WARP_ROWS;    // packed rows per work item
+  static constexpr int CTA_KV = NUM_WARPS_KV * WARP_COLS;  // kv tokens per pipeline stage
+  static constexpr int CHUNKS = HEAD_DIM / 8;              // 16-byte chunks per row
+  static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
+  static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, one stage
+  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_TILE_SMEM;
+  // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
+  // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
+  static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
+  static constexpr int SMEM_BYTES = Q_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
+  static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / CHUNKS;  // kv rows one pass of cp.async covers
+  static constexpr int KV_PASSES = CTA_KV / KV_ROWS_PER_PASS;
+  static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
+
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "head_dim must be a multiple of 16, at least 64");
+  static_assert(NUM_THREADS % CHUNKS == 0, "a cp.async pass must cover whole rows");
+  static_assert(CTA_KV % KV_ROWS_PER_PASS == 0, "the kv tile must be a whole number of cp.async passes");
+  static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
+  static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
+  static_assert(GROUP >= 1, "group size must be positive");
+};
+
+// Thread-local accumulators of one warp: NUM_MMA_Q row blocks of 16 rows; each thread holds rows
+// lane/4 and lane/4 + 8 of each block (index r = 0, 1).
+template <typename Tr>
+struct WarpState {
+  float o[Tr::NUM_MMA_Q][Tr::HEAD_DIM / 8][4];  // unnormalized output, mma C layout
+  float m[Tr::NUM_MMA_Q][2];                    // running max of s*scale2 (log2 units)
+  float d[Tr::NUM_MMA_Q][2];                    // running sum of 2^(s*scale2 - m), this thread's columns only
+
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+#pragma unroll
+      for (int dt = 0; dt < Tr::HEAD_DIM / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mq][dt][e] = 0.f;
+      }
+      m[mq][0] = m[mq][1] = neg_inf();
+      d[mq][0] = d[mq][1] = 0.f;
+    }
+  }
+};
+
+template <typename Tr, typename P>
+struct AttentionCTA {
+  using T = typename Tr::T;
+  using TO = typename Tr::TO;
+  static constexpr int D = Tr::HEAD_DIM;
+  static constexpr int CHUNKS = Tr::CHUNKS;
+
+  const P& p;
+  uint8_t* smem;
+  const int lane, warp_q, warp_kv, kv_head;
+  // the current work item
+  int req, qo_len, kv_len, rows_total, packed_row0, kv_begin, kv_stop, num_tiles;
+  int64_t q_begin, kv_base;  // kv_base: page-table offset (paged) or first kv token (ragged)
+  int pslot;
+
+  __device__ AttentionCTA(const P& params, uint8_t* smem_)
+      : p(params),
+        smem(smem_),
+        lane(threadIdx.x % 32),
+        warp_q((threadIdx.x / 32) % Tr::NUM_WARPS_Q),
+        warp_kv((threadIdx.x / 32) / Tr::NUM_WARPS_Q),
+        kv_head(blockIdx.y) {}
+
+  __device__ __forceinline__ uint8_t* q_smem() const { return smem; }
+  __device__ __forceinline__ uint8_t* k_smem(int stage) const {
+    return smem + Tr::Q_SMEM + stage * Tr::KV_TILE_SMEM;
+  }
+  __device__ __forceinline__ uint8_t* v_smem(int stage) const {
+    return smem + Tr::Q_SMEM + (Tr::NUM_STAGES + stage) * Tr::KV_TILE_SMEM;
+  }
+
+  __device__ __forceinline__ bool setup(int w) {
+    req = reinterpret_cast<const int32_t*>(p.work_req)[w];
+    const int qtile = reinterpret_cast<const int32_t*>(p.work_qtile)[w];
+    kv_begin = reinterpret_cast<const int32_t*>(p.work_kv_begin)[w];
+    const int kv_end = reinterpret_cast<const int32_t*>(p.work_kv_end)[w];
+    pslot = reinterpret_cast<const int32_t*>(p.work_pslot)[w];
+    const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
+    q_begin = qo_indptr[req];
+    qo_len = qo_indptr[req + 1] - qo_indptr[req];
+    kv_len = reinterpret_cast<const int32_t*>(p.kv_lens)[req];
+    kv_base = reinterpret_cast<const int32_t*>(p.kv_indptr)[req];
+    rows_total = qo_len * Tr::GROUP;
+    packed_row0 = qtile * Tr::CTA_Q;
+    kv_stop = kv_end;
+    if constexpr (Tr::CAUSAL) {
+      const int last_row = min(packed_row0 + Tr::CTA_Q, rows_total) - 1;
+      kv_stop = min(kv_stop, kv_len - qo_len + last_row / Tr::GROUP + 1);
+    }
+    num_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + Tr::CTA_KV - 1) / Tr::CTA_KV : 0;
+    return packed_row0 < rows_total;
+  }
+
+  // ---- loads --------------------------------------------------------------------------------------------
+
+  __device__ __forceinline__ void load_q() {
+    const T* q = reinterpret_cast<const T*>(p.q);
+    constexpr int TOTAL = Tr::CTA_Q * CHUNKS;
+#pragma unroll
+    for (int i = threadIdx.x; i < TOTAL; i += Tr::NUM_THREADS) {
+      const int r = i / CHUNKS, c = i % CHUNKS;
+      const int pr = packed_row0 + r;
+      const bool valid = pr < rows_total;
+      const int64_t tok = q_begin + pr / Tr::GROUP;
+      const int64_t h = static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
+      const T* src = valid ? q + tok * p.q_stride_n + h * p.q_stride_h + c * 8 : q;
+      cp_async_16(smem_u32(q_smem()) + swizzle<CHUNKS>(r, c), src, valid);
+    }
+  }
+
+  // The kv rows this thread copies in every tile: r = threadIdx.x / CHUNKS + pass * KV_ROWS_PER_PASS.
+  __device__ __forceinline__ int kv_row(int pass) const {
+    return static_cast<int>(threadIdx.x) / CHUNKS + pass * Tr::KV_ROWS_PER_PASS;
+  }
+
+  // Page ids (paged) of this thread's rows of tile `tile`, fetched ahead of the copy that uses them.
+  __device__ __forceinline__ void fetch_pages(int tile, int32_t (&page)[Tr::KV_PASSES]) const {
+    if constexpr (Tr::PAGED) {
+      const int32_t* indices = reinterpret_cast<const int32_t*>(p.kv_indices);
+      const int kv0 = kv_begin + tile * Tr::CTA_KV;
+#pragma unroll
+      for (int s = 0; s < Tr::KV_PASSES; ++s) {
+        const int j = kv0 + kv_row(s);
+        page[s] = j < kv_stop ? indices[kv_base + (j >> Tr::PAGE_SHIFT)] : 0;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void issue_kv(int tile, int stage, const int32_t (&page)[Tr::KV_PASSES]) const {
+    const T* k = reinterpret_cast<const T*>(p.k);
+    const T* v = reinterpret_cast<const T*>(p.v);
+    const int kv0 = kv_begin + tile * Tr::CTA_KV;
+    const int c = threadIdx.x % CHUNKS;
+    const uint32_t ks = smem_u32(k_smem(stage)), vs = smem_u32(v_smem(stage));
+#pragma unroll
+    for (int s = 0; s < Tr::KV_PASSES; ++s) {
+      const int r = kv_row(s);
+      const int j = kv0 + r;
+      const bool valid = j < kv_stop;
+      int64_t off;
+      if constexpr (Tr::PAGED) {
+        off = paged_offset<Tr::HND, D>(page[s], j & (Tr::PAGE_SIZE - 1), kv_head, p.kv_stride_0, p.kv_stride_1);
+      } else {
+        off = (kv_base + j) * p.kv_stride_0 + static_cast<int64_t>(kv_head) * p.kv_stride_1;
+      }
+      off = valid ? off + c * 8 : 0;
+      const uint32_t dst = swizzle<CHUNKS>(r, c);
+      cp_async_16(ks + dst, k + off, valid);
+      cp_async_16(vs + dst, v + off, valid);
+    }
+  }
+
+  // ---- compute one tile -----------------------------------------------------------------------------------
+
+  __device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], int mq, int kd) const {
+    const int row = warp_q * Tr::WARP_ROWS + mq * 16 + (lane % 16);
+    ldmatrix_x4(a, smem_u32(q_smem()) + swizzle<CHUNKS>(row, kd * 2 + lane / 16));
+  }
+
+  __device__ __forceinline__ void compute_tile(int tile, int stage, WarpState<Tr>& st,
+                                               const uint32_t (&qf)[Tr::Q_IN_REGS ? Tr::NUM_MMA_Q : 1]
+                                                                    [Tr::Q_IN_REGS ? D / 16 : 1][4],
+                                               float scale2) const {
+    float s[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4];
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+      for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[mq][nt][e] = 0.f;
+
+    // S = Q K^T
+    const uint32_t ks = smem_u32(k_smem(stage));
+#pragma unroll
+    for (int kd = 0; kd < D / 16; ++kd) {
+      uint32_t a[Tr::NUM_MMA_Q][4];
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+        if constexpr (Tr::Q_IN_REGS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) a[mq][e] = qf[mq][kd][e];
+        } else {
+          load_q_frag(a[mq], mq, kd);
+        }
+      }
+#pragma unroll
+      for (int mkv = 0; mkv < Tr::NUM_MMA_KV; ++mkv) {
+        uint32_t b[4];
+        const int row = warp_kv * Tr::WARP_COLS + mkv * 16 + (lane % 8) + (lane / 16) * 8;
+        ldmatrix_x4(b, ks + swizzle<CHUNKS>(row, kd * 2 + (lane / 8) % 2));
+#pragma unroll
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+          mma_16816<T>(s[mq][2 * mkv], a[mq], b);
+          mma_16816<T>(s[mq][2 * mkv + 1], a[mq], b + 2);
+        }
+      }
+    }
+
+    // mask the boundary and the causal diagonal (only tiles that reach past either)
+    const int kv0 = kv_begin + tile * Tr::CTA_KV;
+    const int diag = kv_len - qo_len;  // token t sees j <= diag + t
+    const int first_token = packed_row0 / Tr::GROUP;
+    const bool need_mask = kv0 + Tr::CTA_KV > kv_stop || (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > diag + first_token);
+    if (need_mask) {
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * (e / 2);
+            const int j = kv0 + warp_kv * Tr::WARP_COLS + nt * 8 + 2 * (lane % 4) + (e % 2);
+            bool visible = j < kv_stop;
+            if constexpr (Tr::CAUSAL) visible = visible && j <= diag + pr / Tr::GROUP;
+            if (!visible) s[mq][nt][e] = neg_inf();
+          }
+    }
+
+    // online softmax
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = st.m[mq][r];
+#pragma unroll
+        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+          mx = fmaxf(mx, fmaxf(s[mq][nt][2 * r], s[mq][nt][2 * r + 1]) * scale2);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_safe = mx == neg_inf() ? 0.f : mx;
+        const float alpha = fast_exp2(st.m[mq][r] - m_safe);
+        st.m[mq][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+          for (int e = 2 * r; e < 2 * r + 2; ++e) {
+            s[mq][nt][e] = fast_exp2(fmaf(s[mq][nt][e], scale2, -m_safe));
+            sum += s[mq][nt][e];
+          }
+        st.d[mq][r] = st.d[mq][r] * alpha + sum;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          st.o[mq][dt][2 * r] *= alpha;
+          st.o[mq][dt][2 * r + 1] *= alpha;
+        }
+      }
+
+    // O += P V
+    const uint32_t vs = smem_u32(v_smem(stage));
+#pragma unroll
+    for (int kk = 0; kk < Tr::NUM_MMA_KV; ++kk) {
+      uint32_t a[Tr::NUM_MMA_Q][4];
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+        a[mq][0] = pack2<T>(s[mq][2 * kk][0], s[mq][2 * kk][1]);
+        a[mq][1] = pack2<T>(s[mq][2 * kk][2], s[mq][2 * kk][3]);
+        a[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
+        a[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
+      }
+      const int row = warp_kv * Tr::WARP_COLS + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+#pragma unroll
+      for (int dt2 = 0; dt2 < D / 16; ++dt2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vs + swizzle<CHUNKS>(row, dt2 * 2 + lane / 16));
+#pragma unroll
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+          mma_16816<T>(st.o[mq][2 * dt2], a[mq], b);
+          mma_16816<T>(st.o[mq][2 * dt2 + 1], a[mq], b + 2);
+        }
+      }
+    }
+  }
+
+  // ---- output ---------------------------------------------------------------------------------------------
+
+  // Writes 2 consecutive elements (col, col+1) of packed row pr, and its lse when lse_writer.
+  __device__ __forceinline__ void write2(int pr, int col, float x0, float x1, float lse, bool lse_writer) const {
+    const int tok = pr / Tr::GROUP;
+    const int64_t h = static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
+    if (pslot >= 0) {
+      const int64_t row = (static_cast<int64_t>(pslot) + tok) * p.num_qo_heads + h;
+      *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.tmp_o) + row * D + col) = make_float2(x0, x1);
+      if (lse_writer) reinterpret_cast<float*>(p.tmp_lse)[row] = lse;
+    } else {
+      const int64_t t = q_begin + tok;
+      *reinterpret_cast<uint32_t*>(reinterpret_cast<TO*>(p.o) + t * p.o_stride_n + h * p.o_stride_h + col) =
+          pack2<TO>(x0, x1);
+      if (lse_writer && p.lse != 0) reinterpret_cast<float*>(p.lse)[t * p.num_qo_heads + h] = lse;
+    }
+  }
+
+  __device__ __forceinline__ void finish(WarpState<Tr>& st) {
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        st.d[mq][r] += __shfl_xor_sync(0xffffffffu, st.d[mq][r], 1);
+        st.d[mq][r] += __shfl_xor_sync(0xffffffffu, st.d[mq][r], 2);
+      }
+    if constexpr (Tr::NUM_WARPS_KV == 1) {
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          if (pr >= rows_total) continue;
+          const float dd = st.d[mq][r];
+          const float inv = dd > 0.f ? 1.f / dd : 0.f;
+          const float lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt)
+            write2(pr, dt * 8 + 2 * (lane % 4), st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv, lse,
+                   dt == 0 && lane % 4 == 0);
+        }
+    } else {
+      // each warp holds a disjoint kv slice of the same rows: publish normalized states, then merge
+      float* so = reinterpret_cast<float*>(smem + Tr::Q_SMEM);
+      float* slse = so + Tr::NUM_WARPS_KV * Tr::CTA_Q * D;
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          const float dd = st.d[mq][r];
+          const float inv = dd > 0.f ? 1.f / dd : 0.f;
+          float* dst = so + (warp_kv * Tr::CTA_Q + row) * D;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            const int col = dt * 8 + 2 * (lane % 4);
+            *reinterpret_cast<float2*>(dst + col) = make_float2(st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv);
+          }
+          if (lane % 4 == 0) slse[warp_kv * Tr::CTA_Q + row] = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+        }
+      __syncthreads();
+      for (int i = threadIdx.x; i < Tr::CTA_Q * CHUNKS; i += Tr::NUM_THREADS) {
+        const int row = i / CHUNKS, c = i % CHUNKS;
+        const int pr = packed_row0 + row;
+        if (pr >= rows_total) continue;
+        float out[8];
+        const float lse = merge_n(
+            Tr::NUM_WARPS_KV, [&](int64_t w) { return slse[w * Tr::CTA_Q + row]; },
+            [&](int64_t w, float* x) {
+              const float4* src = reinterpret_cast<const float4*>(so + (w * Tr::CTA_Q + row) * D + c * 8);
+              const float4 lo = src[0], hi = src[1];
+              x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+            },
+            out);
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) write2(pr, c * 8 + e, out[e], out[e + 1], lse, c == 0 && e == 0);
+      }
+    }
+  }
+
+  // ---- one work item --------------------------------------------------------------------------------------
+
+  __device__ __forceinline__ void run_item(int w, float scale2) {
+    if (!setup(w)) return;
+    load_q();
+    cp_async_commit();
+    int32_t page[Tr::KV_PASSES];
+#pragma unroll
+    for (int s = 0; s < Tr::NUM_STAGES - 1; ++s) {
+      if (s < num_tiles) {
+        fetch_pages(s, page);
+        issue_kv(s, s, page);
+      }
+      cp_async_commit();
+    }
+    if (Tr::NUM_STAGES - 1 < num_tiles) fetch_pages(Tr::NUM_STAGES - 1, page);
+
+    WarpState<Tr> st;
+    st.init();
+    uint32_t qf[Tr::Q_IN_REGS ? Tr::NUM_MMA_Q : 1][Tr::Q_IN_REGS ? D / 16 : 1][4];
+    for (int i = 0; i < num_tiles; ++i) {
+      cp_async_wait<Tr::NUM_STAGES - 2>();
+      __syncthreads();
+      if constexpr (Tr::Q_IN_REGS) {
+        if (i == 0) {
+#pragma unroll
+          for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+            for (int kd = 0; kd < D / 16; ++kd) load_q_frag(qf[mq][kd], mq, kd);
+        }
+      }
+      const int next = i + Tr::NUM_STAGES - 1;
+      if (next < num_tiles) issue_kv(next, next % Tr::NUM_STAGES, page);
+      cp_async_commit();
+      if (next + 1 < num_tiles) fetch_pages(next + 1, page);
+      compute_tile(i, i % Tr::NUM_STAGES, st, qf, scale2);
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+    finish(st);
+  }
+};
+
+template <typename Tr, typename P>
+__device__ __forceinline__ void attention_body(const P& p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  AttentionCTA<Tr, P> cta(p, smem);
+  const int num_work = *reinterpret_cast<const int32_t*>(p.work_count);
+  const float scale2 = static_cast<float>(p.sm_scale_log2);
+  for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+    cta.run_item(w, scale2);
+    __syncthreads();  // shared memory is reused by the next item
+  }
+}
+
+// Merges the fp32 partial states of split requests. Merge row i: output token row_tok[i] has row_count[i]
+// partials at slots row_slot[i] + c * row_stride[i]; each slot holds [H_q] lse and [H_q, D] o.
+template <typename TO, int HEAD_DIM, typename P>
+__device__ __forceinline__ void merge_partials_body(const P& p) {
+  constexpr int CHUNKS = HEAD_DIM / 8;
+  const int total = *reinterpret_cast<const int32_t*>(p.merge_count_total);
+  const float* tmp_o = reinterpret_cast<const float*>(p.tmp_o);
+  const float* tmp_lse = reinterpret_cast<const float*>(p.tmp_lse);
+  for (int i = blockIdx.x; i < total; i += gridDim.x) {
+    const int64_t tok = reinterpret_cast<const int32_t*>(p.merge_tok)[i];
+    const int64_t slot = reinterpret_cast<const int32_t*>(p.merge_slot)[i];
+    const int64_t stride = reinterpret_cast<const int32_t*>(p.merge_stride)[i];
+    const int64_t n = reinterpret_cast<const int32_t*>(p.merge_num)[i];
+    for (int v = threadIdx.x; v < p.num_qo_heads * CHUNKS; v += blockDim.x) {
+      const int64_t h = v / CHUNKS;
+      const int c = v % CHUNKS;
+      float out[8];
+      const float lse = merge_n(
+          n, [&](int64_t k) { return tmp_lse[(slot + k * stride) * p.num_qo_heads + h]; },
+          [&](int64_t k, float* x) {
+            const float4* src =
+                reinterpret_cast<const float4*>(tmp_o + ((slot + k * stride) * p.num_qo_heads + h) * HEAD_DIM + c * 8);
+            const float4 lo = src[0], hi = src[1];
+            x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+          },
+          out);
+      store8<TO>(reinterpret_cast<TO*>(p.o) + tok * p.o_stride_n + h * p.o_stride_h + c * 8, out);
+      if (c == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[tok * p.num_qo_heads + h] = lse;
+    }
+  }
+}
+
+}  // namespace attnjit

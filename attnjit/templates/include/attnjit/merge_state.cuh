@@ -1,0 +1,85 @@
+// attnjit/merge_state.cuh: combining attention states (o, lse) over disjoint key sets.
+//
+// A state is (o, lse) with o the softmax-weighted value average over its keys and lse = log2(sum_j exp(s_j))
+// (base 2). Merging normalizes the weights before combining, so no intermediate overflows:
+//   m = max_i lse_i;  w_i = 2^(lse_i - m);  z = sum_i w_i;  o = sum_i (w_i / z) o_i;  lse = m + log2(z).
+// An empty key set is (0, -inf); merging with it is the identity, and merging only empty sets gives (0, -inf).
+#pragma once
+#include "attnjit/common.cuh"
+
+namespace attnjit {
+
+// Merges n states for 8 consecutive elements of o: lse_at(i) is state i's lse, load(i, float[8]) reads its o.
+// Writes the merged o to out8 and returns the merged lse. An empty state's o is never read.
+template <typename LseFn, typename LoadFn>
+__device__ __forceinline__ float merge_n(int64_t n, LseFn lse_at, LoadFn load, float* out8) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) out8[e] = 0.f;
+  float m = neg_inf();
+  for (int64_t i = 0; i < n; ++i) m = fmaxf(m, lse_at(i));
+  if (m == neg_inf()) return neg_inf();
+  float z = 0.f;
+  for (int64_t i = 0; i < n; ++i) z += exp2f(lse_at(i) - m);
+  const float inv_z = 1.f / z;
+  for (int64_t i = 0; i < n; ++i) {
+    const float w = exp2f(lse_at(i) - m) * inv_z;
+    if (w == 0.f) continue;
+    float v[8];
+    load(i, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out8[e] += w * v[e];
+  }
+  return m + log2f(z);
+}
+
+// One thread per 8 elements of one (row, head). Returns false for threads past the end.
+template <int HEAD_DIM>
+__device__ __forceinline__ bool merge_thread_coords(int64_t num_rows, int64_t num_heads, int64_t& row,
+                                                    int64_t& head, int& vec) {
+  constexpr int VEC_PER_ROW = HEAD_DIM / 8;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row_head = tid / VEC_PER_ROW;
+  vec = static_cast<int>(tid % VEC_PER_ROW);
+  if (row_head >= num_rows * num_heads) return false;
+  row = row_head / num_heads;
+  head = row_head % num_heads;
+  return true;
+}
+
+// v_out = merge(v_a, v_b) per (row, head); v_out may alias v_a (in-place merge). mask (optional, one bool per
+// row): rows with mask[row] == false are left untouched.
+template <typename T, int HEAD_DIM, typename P>
+__device__ __forceinline__ void merge_two_body(const P& p) {
+  int64_t row, head;
+  int vec;
+  if (!merge_thread_coords<HEAD_DIM>(p.num_rows, p.num_heads, row, head, vec)) return;
+  if (p.mask != 0 && !reinterpret_cast<const bool*>(p.mask)[row]) return;
+  const float la = reinterpret_cast<const float*>(p.lse_a)[row * p.lse_a_stride_n + head * p.lse_a_stride_h];
+  const float lb = reinterpret_cast<const float*>(p.lse_b)[row * p.lse_b_stride_n + head * p.lse_b_stride_h];
+  const T* va = reinterpret_cast<const T*>(p.v_a) + row * p.v_a_stride_n + head * p.v_a_stride_h + vec * 8;
+  const T* vb = reinterpret_cast<const T*>(p.v_b) + row * p.v_b_stride_n + head * p.v_b_stride_h + vec * 8;
+  float out[8];
+  const float lse = merge_n(
+      2, [&](int64_t i) { return i == 0 ? la : lb; }, [&](int64_t i, float* v) { load8<T>(i == 0 ? va : vb, v); },
+      out);
+  store8<T>(reinterpret_cast<T*>(p.v_out) + row * p.v_out_stride_n + head * p.v_out_stride_h + vec * 8, out);
+  if (vec == 0) reinterpret_cast<float*>(p.lse_out)[row * p.lse_out_stride_n + head * p.lse_out_stride_h] = lse;
+}
+
+// v: [rows, num_states, heads, D], lse: [rows, num_states, heads] -> v_out [rows, heads, D], lse_out [rows, heads]
+template <typename T, int HEAD_DIM, typename P>
+__device__ __forceinline__ void merge_many_body(const P& p) {
+  int64_t row, head;
+  int vec;
+  if (!merge_thread_coords<HEAD_DIM>(p.num_rows, p.num_heads, row, head, vec)) return;
+  const float* lse = reinterpret_cast<const float*>(p.lse) + row * p.lse_stride_n + head * p.lse_stride_h;
+  const T* v = reinterpret_cast<const T*>(p.v) + row * p.v_stride_n + head * p.v_stride_h + vec * 8;
+  float out[8];
+  const float lse_out = merge_n(
+      p.num_states, [&](int64_t i) { return lse[i * p.lse_stride_s]; },
+      [&](int64_t i, float* x) { load8<T>(v + i * p.v_stride_s, x); }, out);
+  store8<T>(reinterpret_cast<T*>(p.v_out) + row * p.v_out_stride_n + head * p.v_out_stride_h + vec * 8, out);
+  if (vec == 0) reinterpret_cast<float*>(p.lse_out)[row * p.lse_out_stride_n + head * p.lse_out_stride_h] = lse_out;
+}
+
+}  // namespace attnjit

@@ -1,0 +1,193 @@
+"""attnjit against FlashInfer (and torch SDPA for prefill) on the KERNELS.md workloads, in one process.
+
+Workloads: H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages in shuffled order.
+  decode  batch x KV length: 1x32768 16x4096 64x4096 128x2048 256x1024 32x16384
+          figure: TB/s of KV read = batch * kv_len * H_kv * D * 2 (K and V) * 2 bytes / time
+  prefill paged causal, no prefix, batch x length: 1x8192 8x2048 32x512
+          figure: TFLOP/s = 4 * batch * H_q * D * L^2 / 2 / time
+Timing: CUDA events around 30 back-to-back calls (after 10 warm-up calls), median of 7 such blocks; each call is
+a whole run() (all its launches). Every input is random; KV caches are larger than the 60 MB L2.
+
+    python benchmarks/bench.py [--only decode|prefill] [--no-flashinfer] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import attnjit  # noqa: E402
+
+H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
+DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
+PREFILL_ROWS = [(1, 8192), (8, 2048), (32, 512)]
+COPY_TBPS, MATMUL_TFLOPS = 4.2, 770.0  # measured ceilings on the H200 (KERNELS.md)
+
+
+def time_ms(fn, reps: int = 30, blocks: int = 7, warmup: int = 10) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(blocks):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        means.append(start.elapsed_time(end) / reps)
+    return statistics.median(means)
+
+
+def paged_tables(batch: int, kv_len: int, seed: int = 0):
+    pages_per = -(-kv_len // PS)
+    total = batch * pages_per
+    ids = list(range(total))
+    random.Random(seed).shuffle(ids)
+    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
+    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    last = torch.full((batch,), kv_len - PS * (pages_per - 1), dtype=torch.int32, device="cuda")
+    cache = torch.randn(total, 2, PS, H_KV, D, dtype=DT, device="cuda")
+    return indptr, indices, last, cache
+
+
+def load_flashinfer():
+    try:
+        import flashinfer  # noqa: F401
+
+        return flashinfer
+    except Exception as exc:  # noqa: BLE001
+        print(f"# FlashInfer unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def bench_decode(fi, rows, results):
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch, kv_len in rows:
+        indptr, indices, last, cache = paged_tables(batch, kv_len)
+        q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
+        kv_bytes = batch * kv_len * H_KV * D * 2 * 2
+        row = {"op": "decode", "shape": f"{batch}x{kv_len}", "kv_bytes": kv_bytes}
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+        w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
+        out = torch.empty_like(q)
+        row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out))
+        row["attnjit_plan"] = w.last_plan
+        if fi is not None:
+            fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
+            fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
+            fout = torch.empty_like(q)
+            row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
+            ref = fout.float()
+            row["max_diff_vs_flashinfer"] = (out.float() - ref).abs().max().item()
+        for k in ("attnjit", "flashinfer"):
+            if f"{k}_ms" in row:
+                row[f"{k}_tbps"] = kv_bytes / (row[f"{k}_ms"] * 1e-3) / 1e12
+        results.append(row)
+        del cache
+        torch.cuda.empty_cache()
+
+
+_ws_fi = None
+
+
+def ws_fi():
+    global _ws_fi
+    if _ws_fi is None:
+        _ws_fi = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return _ws_fi
+
+
+def bench_prefill(fi, rows, results):
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for batch, length in rows:
+        indptr, indices, last, cache = paged_tables(batch, length, seed=1)
+        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
+        flops = 4 * batch * H_Q * D * length * length / 2
+        row = {"op": "prefill", "shape": f"{batch}x{length}", "flops": flops}
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+        w.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
+        out = torch.empty_like(q)
+        row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out))
+        row["attnjit_plan"] = w.last_plan
+        if fi is not None:
+            fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws_fi(), "NHD", backend="fa2")
+            fw.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT,
+                    kv_data_type=DT)
+            fout = torch.empty_like(q)
+            row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
+            row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
+        # torch SDPA (cuDNN where available) on contiguous [B, H, L, D] tensors, KV heads expanded
+        qs = q.view(batch, length, H_Q, D).transpose(1, 2).contiguous()
+        ks = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
+        vs = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
+        for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+            try:
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel(getattr(SDPBackend, backend)):
+                    row[f"{name}_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                        qs, ks, vs, is_causal=True))
+            except Exception as exc:  # noqa: BLE001
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+        for k in ("attnjit", "flashinfer", "sdpa_cudnn", "sdpa_flash"):
+            if f"{k}_ms" in row:
+                row[f"{k}_tflops"] = flops / (row[f"{k}_ms"] * 1e-3) / 1e12
+        results.append(row)
+        del cache, ks, vs
+        torch.cuda.empty_cache()
+
+
+def table(results) -> str:
+    lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling | other |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r["op"] == "decode":
+            a, f = r.get("attnjit_tbps"), r.get("flashinfer_tbps")
+            unit, ceiling = "TB/s", COPY_TBPS
+        else:
+            a, f = r.get("attnjit_tflops"), r.get("flashinfer_tflops")
+            unit, ceiling = "TFLOP/s", MATMUL_TFLOPS
+        other = ""
+        if r["op"] == "prefill":
+            other = ", ".join(f"{k[:-7]} {r[k]:.0f}" for k in ("sdpa_cudnn_tflops", "sdpa_flash_tflops") if k in r)
+        ratio = f"{a / f:.2f}" if a and f else "-"
+        fs = f"{f:.2f} {unit}" if f else "-"
+        lines.append(f"| {r['op']} | {r['shape']} | {a:.2f} {unit} | {fs} | {ratio} | {a / ceiling:.0%} | {other} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", choices=["decode", "prefill"])
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    fi = None if args.no_flashinfer else load_flashinfer()
+    results: list[dict] = []
+    t0 = time.time()
+    if args.only in (None, "decode"):
+        bench_decode(fi, DECODE_ROWS, results)
+    if args.only in (None, "prefill"):
+        bench_prefill(fi, PREFILL_ROWS, results)
+    meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
+            "date": time.strftime("%Y-%m-%d")}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+    print(json.dumps(meta))
+    print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

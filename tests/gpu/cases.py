@@ -1,0 +1,150 @@
+"""The GPU correctness matrix (DESIGN.md, the seed's list): each case is one batch run against the float64
+reference. ``all_specs()`` is what the cases compile; ``specs/gpu-tests.toml`` must list exactly those (a CPU test
+checks it) so scripts/gpu_check.sh can build them all in parallel before the tests run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from attnjit.specs import AttentionSpec
+
+SEED_QO, SEED_KV = (3, 1, 4), (6, 2, 9)                       # the seed's three requests
+MIXED_QO = (17, 1, 0, 64, 1, 33, 2, 1, 0)                     # chunked prefill + decode rows + empty requests
+MIXED_KV = (40, 1, 5, 64, 300, 1000, 2, 129, 0)
+LONG_QO, LONG_KV = (100, 1), (3000, 5000)                     # few tiles: the scheduler splits
+PREFILL_QO, PREFILL_KV = (200, 129), (200, 700)
+DEC_SHORT = (1, 2, 15, 16, 17, 33, 100)                       # KV length 1, non-full last pages
+DEC_MED = (1000, 517, 2048, 4096)
+DEC_LONG = (131072,)                                          # 128K history
+DEC_MANY = tuple(1 + (i * 37) % 600 for i in range(300))      # fills the GPU: no split
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    kind: str                   # paged | ragged | decode
+    qo_lens: tuple = ()
+    kv_lens: tuple = ()
+    dtype: torch.dtype = torch.bfloat16
+    head_dim: int = 128
+    page_size: int = 16
+    heads: tuple = (32, 8)      # (H_q, H_kv)
+    causal: bool = True
+    layout: str = "NHD"
+    split: str = "auto"         # auto | force (fixed_split_size=128) | off (disable_split_kv)
+    shared_prefix: bool = False
+    offset: float = 0.0         # added to every logit (large-logit stability)
+
+    @property
+    def id(self) -> str:
+        return self.name
+
+    def spec(self) -> AttentionSpec:
+        dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        group = self.heads[0] // self.heads[1]
+        if self.kind == "decode":
+            return AttentionSpec(op="decode", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
+                                 layout=self.layout, group_size=group)
+        if self.kind == "ragged":
+            return AttentionSpec(op="prefill", head_dim=self.head_dim, dtype=dt, kv="ragged", group_size=group,
+                                 mask="causal" if self.causal else "none")
+        return AttentionSpec(op="prefill", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
+                             layout=self.layout, group_size=group, mask="causal" if self.causal else "none")
+
+
+_P = Case("base", "paged", MIXED_QO, MIXED_KV)
+_R = Case("ragged", "ragged", MIXED_QO, MIXED_KV)
+_D = Case("decode", "decode", kv_lens=DEC_SHORT, causal=False)
+F16 = torch.float16
+
+PAGED = [
+    replace(_P, name="paged-seed-fp16-p4", qo_lens=SEED_QO, kv_lens=SEED_KV, dtype=F16, page_size=4),
+    _P,
+    replace(_P, name="paged-noncausal", causal=False),
+    replace(_P, name="paged-fp16", dtype=F16),
+    replace(_P, name="paged-d64", head_dim=64),
+    replace(_P, name="paged-d256", head_dim=256),
+    replace(_P, name="paged-d256-fp16-noncausal", head_dim=256, dtype=F16, causal=False),
+    replace(_P, name="paged-p1", page_size=1),
+    replace(_P, name="paged-p8-fp16", page_size=8, dtype=F16),
+    replace(_P, name="paged-p32-noncausal", page_size=32, causal=False),
+    replace(_P, name="paged-mha-g1", heads=(8, 8)),
+    replace(_P, name="paged-g8", heads=(64, 8)),
+    replace(_P, name="paged-g7-fp16", heads=(28, 4), dtype=F16),
+    replace(_P, name="paged-hnd", layout="HND"),
+    replace(_P, name="paged-hnd-p1-fp16-noncausal", layout="HND", page_size=1, dtype=F16, causal=False),
+    replace(_P, name="paged-split-forced", split="force"),
+    replace(_P, name="paged-split-forced-noncausal", split="force", causal=False),
+    replace(_P, name="paged-long-autosplit", qo_lens=LONG_QO, kv_lens=LONG_KV),
+    replace(_P, name="paged-long-nosplit", qo_lens=LONG_QO, kv_lens=LONG_KV, split="off"),
+    replace(_P, name="paged-prefill-only", qo_lens=PREFILL_QO, kv_lens=PREFILL_KV),
+    replace(_P, name="paged-shared-prefix", shared_prefix=True),
+    replace(_P, name="paged-logits+1000", offset=1000.0),
+    replace(_P, name="paged-logits-1000-fp16", offset=-1000.0, dtype=F16),
+]
+RAGGED = [
+    _R,
+    replace(_R, name="ragged-fp16-noncausal", dtype=F16, causal=False),
+    replace(_R, name="ragged-d64", head_dim=64),
+    replace(_R, name="ragged-d256-fp16", head_dim=256, dtype=F16),
+    replace(_R, name="ragged-mha-g1", heads=(16, 16)),
+    replace(_R, name="ragged-split-forced", split="force"),
+    replace(_R, name="ragged-long-autosplit", qo_lens=LONG_QO, kv_lens=LONG_KV),
+    replace(_R, name="ragged-logits+1000", offset=1000.0),
+]
+DECODE = [
+    _D,
+    replace(_D, name="decode-med-autosplit", kv_lens=DEC_MED),
+    replace(_D, name="decode-med-split-forced", kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-med-nosplit", kv_lens=DEC_MED, split="off"),
+    replace(_D, name="decode-128k", kv_lens=DEC_LONG),
+    replace(_D, name="decode-many", kv_lens=DEC_MANY),
+    replace(_D, name="decode-fp16", dtype=F16, kv_lens=DEC_MED),
+    replace(_D, name="decode-d64", head_dim=64, kv_lens=DEC_MED),
+    replace(_D, name="decode-d256", head_dim=256, kv_lens=DEC_MED),
+    replace(_D, name="decode-d256-fp16", head_dim=256, dtype=F16),
+    replace(_D, name="decode-p1", page_size=1, kv_lens=DEC_MED),
+    replace(_D, name="decode-p8-fp16", page_size=8, dtype=F16),
+    replace(_D, name="decode-p32", page_size=32, kv_lens=DEC_MED),
+    replace(_D, name="decode-mha-g1", heads=(8, 8), kv_lens=DEC_MED),
+    replace(_D, name="decode-g8", heads=(64, 8), kv_lens=DEC_MED),
+    replace(_D, name="decode-g7-fp16", heads=(28, 4), dtype=F16),
+    replace(_D, name="decode-g32-mqa", heads=(32, 1), kv_lens=DEC_MED),
+    replace(_D, name="decode-hnd", layout="HND", kv_lens=DEC_MED),
+    replace(_D, name="decode-hnd-fp16-p1", layout="HND", dtype=F16, page_size=1),
+    replace(_D, name="decode-shared-prefix", kv_lens=DEC_MED, shared_prefix=True),
+    replace(_D, name="decode-logits+1000", offset=1000.0, kv_lens=DEC_MED),
+    replace(_D, name="decode-logits-1000-fp16", offset=-1000.0, dtype=F16, kv_lens=DEC_MED, split="force"),
+]
+ALL = PAGED + RAGGED + DECODE
+
+# Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
+EXTRA_SPECS = [
+    AttentionSpec(op="merge_state", head_dim=hd, dtype=dt) for hd in (64, 128, 256) for dt in ("fp16", "bf16")
+] + [
+    AttentionSpec(op="append_kv", head_dim=128, page_size=ps, dtype=dt, layout=lay)
+    for ps, dt, lay in ((16, "bf16", "NHD"), (1, "fp16", "NHD"), (16, "fp16", "HND"), (8, "bf16", "HND"))
+] + [
+    AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
+    AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="causal"),
+    AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="none"),
+]
+
+
+def all_specs() -> list[AttentionSpec]:
+    out: list[AttentionSpec] = []
+    for s in [c.spec() for c in ALL] + EXTRA_SPECS:
+        if s not in out:
+            out.append(s)
+    return out
+
+
+if __name__ == "__main__":  # regenerate specs/gpu-tests.toml
+    from attnjit.specs import dump_catalog
+
+    print(dump_catalog(all_specs(), header="Every spec the GPU tests compile (generated by: python -m tests.gpu.cases "
+                                           "> specs/gpu-tests.toml).\nscripts/gpu_check.sh warms it in parallel "
+                                           "before the tests run."), end="")

@@ -1,0 +1,238 @@
+"""Attention kernels against the float64 reference: the whole matrix of tests/gpu/cases.py, plus CUDA graphs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnjit
+from attnjit import reference
+
+from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
+from .cases import ALL, Case
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+
+def _split_kwargs(case: Case) -> dict:
+    return {"force": {"fixed_split_size": 128}, "off": {"disable_split_kv": True}}.get(case.split, {})
+
+
+def _cache_arg(cache: torch.Tensor, as_tuple: bool):
+    """The 5-D cache, or (k, v) as two separately allocated tensors (other page strides)."""
+    return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
+
+
+def run_case(case: Case, workspace, seed: int):
+    hq, hkv = case.heads
+    d = case.head_dim
+    if case.kind == "ragged":
+        qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
+                                                    head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
+                                                    offset=case.offset)
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), hq, hkv, d, causal=case.causal, q_data_type=case.dtype,
+               **_split_kwargs(case))
+        out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
+        w.run(q, k, v, out=out, lse=lse)
+        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal)
+        return w, out, lse, ref_o, ref_lse
+    qo_lens = (1,) * len(case.kv_lens) if case.kind == "decode" else case.qo_lens
+    b = make_paged(qo_lens, case.kv_lens, page_size=case.page_size, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                   dtype=case.dtype, layout=case.layout, device=DEV, shared_prefix=case.shared_prefix, seed=seed,
+                   offset=case.offset)
+    qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
+    cache = _cache_arg(b.cache, as_tuple=case.dtype == torch.float16)
+    out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    if case.kind == "decode":
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **_split_kwargs(case))
+    else:
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        w.plan(qo_t, kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, causal=case.causal, q_data_type=case.dtype,
+               **_split_kwargs(case))
+    w.run(b.q, cache, out=out, lse=lse)
+    ref_o, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           page_size=case.page_size, causal=case.causal and case.kind != "decode",
+                                           layout=case.layout)
+    return w, out, lse, ref_o, ref_lse
+
+
+@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
+def test_matches_reference(case: Case, workspace):
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=hash(case.name) % 1000)
+    torch.cuda.synchronize()
+    assert_close(out, ref_o, case.dtype)
+    assert_lse_close(lse, ref_lse)
+    decision = w.last_plan
+    if case.split == "force" and max(case.kv_lens) > 128:
+        assert decision["split_kv"], decision
+    if case.split == "off":
+        assert not decision["split_kv"], decision
+    if case.name.endswith("autosplit") or case.name == "decode-128k":
+        assert decision["split_kv"], decision
+
+
+def test_fresh_inputs_reuse_plan(workspace):
+    """Two runs of one plan with different inputs: both right (no state leaks between runs)."""
+    b = make_paged((5, 1, 9), (40, 17, 300), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=1)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(*b.tensors(DEV), 32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16, fixed_split_size=64)
+    for seed in (2, 3):
+        q = torch.randn(b.q.shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16).to(DEV)
+        out = w.run(q, b.cache)
+        ref, _ = reference.batch_paged(q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       page_size=16, causal=True)
+        assert_close(out, ref, torch.bfloat16)
+
+
+def test_empty_batch(workspace):
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(i32([0], DEV), i32([0], DEV), i32([], DEV), i32([], DEV), 32, 8, 128, 16, causal=True,
+           q_data_type=torch.bfloat16)
+    cache = torch.randn(2, 2, 16, 8, 128, device=DEV, dtype=torch.bfloat16)
+    out, lse = w.run(torch.empty(0, 32, 128, device=DEV, dtype=torch.bfloat16), cache, return_lse=True)
+    assert out.shape == (0, 32, 128) and lse.shape == (0, 32)
+
+
+def test_noncausal_row_with_empty_history(workspace):
+    """A non-causal request with queries but no keys: o = 0, lse = -inf (a fully masked row)."""
+    b = make_paged((2, 3), (0, 20), page_size=16, num_qo_heads=8, num_kv_heads=8, head_dim=128,
+                   dtype=torch.float16, device=DEV, seed=4)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(*b.tensors(DEV), 8, 8, 128, 16, causal=False, q_data_type=torch.float16)
+    out, lse = w.run(b.q, b.cache, out=poisoned(b.q.shape, torch.float16, DEV),
+                     lse=poisoned(b.q.shape[:2], torch.float32, DEV), return_lse=True)
+    assert torch.equal(out[:2].float(), torch.zeros_like(out[:2].float()))
+    assert torch.isinf(lse[:2]).all() and (lse[:2] < 0).all()
+    ref_o, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           page_size=16, causal=False)
+    assert_close(out, ref_o, torch.float16)
+    assert_lse_close(lse, ref_lse)
+
+
+def test_single_prefill_and_decode():
+    gen = torch.Generator().manual_seed(7)
+    for layout in ("NHD", "HND"):
+        q = torch.randn(37, 32, 128, generator=gen).to(torch.float16).to(DEV)
+        k = torch.randn(90, 8, 128, generator=gen).to(torch.float16).to(DEV)
+        v = torch.randn(90, 8, 128, generator=gen).to(torch.float16).to(DEV)
+        kk, vv = (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()) if layout == "HND" else (k, v)
+        for causal in (True, False):
+            o, lse = attnjit.single_prefill_with_kv_cache(q, kk, vv, causal=causal, kv_layout=layout,
+                                                          return_lse=True)
+            ref_o, ref_lse = reference.attention(q, k, v, causal=causal)
+            assert_close(o, ref_o, torch.float16)
+            assert_lse_close(lse, ref_lse)
+        od = attnjit.single_decode_with_kv_cache(q[0], kk, vv, kv_layout=layout)
+        ref_o, _ = reference.attention(q[:1], k, v, causal=False)
+        assert_close(od, ref_o[0], torch.float16)
+
+
+def _graph_pool(page_size, pages, dtype):
+    return torch.randn(pages, 2, page_size, 8, 128, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEV)
+
+
+def _tables(kv_lens, page_size, pool_pages, seed):
+    import random
+
+    rng = random.Random(seed)
+    ids = list(range(pool_pages))
+    rng.shuffle(ids)
+    indptr, indices, last = [0], [], []
+    for k in kv_lens:
+        n = -(-k // page_size)
+        indices += ids[:n]
+        ids = ids[n:]
+        indptr.append(len(indices))
+        last.append(k - page_size * (n - 1))
+    return indptr, indices, last
+
+
+def test_cuda_graph_decode_replays_after_replan(workspace):
+    """Capture run() once; re-plan with other lengths and page tables of the same batch size; replay is right."""
+    ps, pool, dtype = 16, 3000, torch.bfloat16
+    cache = _graph_pool(ps, pool, dtype)
+    indices_buf = torch.zeros(pool, dtype=torch.int32, device=DEV)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indices_buffer=indices_buf)
+    batch = 6
+    q_buf = torch.zeros(batch, 32, 128, dtype=dtype, device=DEV)
+    out_buf = torch.zeros(batch, 32, 128, dtype=dtype, device=DEV)
+    graph = None
+    decisions = []
+    for step, kv_lens in enumerate([(5, 17, 64, 100, 1, 33), (9000, 20, 1, 700, 4100, 16), (300, 301, 302, 1, 2, 3)]):
+        indptr, indices, last = _tables(kv_lens, ps, pool, seed=step)
+        w.plan(i32(indptr, DEV), i32(indices, DEV), i32(last, DEV), 32, 8, 128, ps, q_data_type=dtype)
+        decisions.append(w.last_plan["split_kv"])
+        q = torch.randn(batch, 32, 128, generator=torch.Generator().manual_seed(100 + step)).to(dtype).to(DEV)
+        q_buf.copy_(q)
+        if graph is None:
+            w.run(q_buf, cache, out=out_buf)  # warm-up outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w.run(q_buf, cache, out=out_buf)
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=ps)
+        assert_close(out_buf, ref, dtype, what=f"replay {step}")
+    assert decisions[1] and not decisions[0], "the second plan should split (long history), the first not"
+
+
+def test_cuda_graph_prefill_replays_after_replan(workspace):
+    ps, pool, dtype = 16, 400, torch.float16
+    cache = _graph_pool(ps, pool, dtype)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                                    paged_kv_indices_buf=torch.zeros(pool, dtype=torch.int32,
+                                                                                     device=DEV))
+    total = 40
+    q_buf = torch.zeros(total, 32, 128, dtype=dtype, device=DEV)
+    out_buf = torch.zeros(total, 32, 128, dtype=dtype, device=DEV)
+    graph = None
+    for step, (qo, kv) in enumerate([((30, 1, 9), (30, 50, 900)), ((1, 38, 1), (2000, 38, 5))]):
+        indptr, indices, last = _tables(kv, ps, pool, seed=step)
+        qo_indptr = [0, qo[0], qo[0] + qo[1], total]
+        w.plan(i32(qo_indptr, DEV), i32(indptr, DEV), i32(indices, DEV), i32(last, DEV), 32, 8, 128, ps,
+               causal=True, q_data_type=dtype)
+        q = torch.randn(total, 32, 128, generator=torch.Generator().manual_seed(200 + step)).to(dtype).to(DEV)
+        q_buf.copy_(q)
+        if graph is None:
+            w.run(q_buf, cache, out=out_buf)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w.run(q_buf, cache, out=out_buf)
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference.batch_paged(q, cache, qo_indptr, indptr, indices, last, page_size=ps, causal=True)
+        assert_close(out_buf, ref, dtype, what=f"replay {step}")
+
+
+def test_run_rejects_tensors_that_do_not_match_the_plan(workspace):
+    b = make_paged((3, 1), (10, 5), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=5)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(*b.tensors(DEV), 32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(b.q[:3], b.cache)
+    with pytest.raises(ValueError, match="q must be"):
+        w.run(b.q.half(), b.cache)
+    with pytest.raises(ValueError, match="paged_kv_cache must be"):
+        w.run(b.q, b.cache.half())
+    small = b.cache[:1]
+    if max(b.kv_indices) >= 1:
+        with pytest.raises(ValueError, match="page id"):
+            w.run(b.q, small)
+    assert math.isfinite(w.run(b.q, b.cache).float().sum().item())

@@ -1,0 +1,135 @@
+"""merge_state(s) and append_paged_kv_cache against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attnjit
+from attnjit import reference
+
+from ..helpers import i32
+
+DEV = "cuda"
+
+
+def _states(rows, heads, dim, dtype, seed, n=None, empty_frac=0.2):
+    gen = torch.Generator().manual_seed(seed)
+    shape = (rows, heads) if n is None else (rows, n, heads)
+    v = torch.randn(*shape, dim, generator=gen)
+    s = torch.randn(*shape, generator=gen) * 8
+    empty = torch.rand(*shape, generator=gen) < empty_frac
+    s[empty] = -math.inf
+    v[empty] = 0.0
+    return v.to(dtype).to(DEV), s.to(DEV)
+
+
+def _check(v, s, ref_v, ref_s, dtype):
+    assert torch.isfinite(v.float()).all()
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    err = (v.double() - ref_v).abs().max().item()
+    assert err <= tol * 4, f"max abs error {err}"
+    assert torch.equal(torch.isinf(s), torch.isinf(ref_s))
+    fin = torch.isfinite(ref_s)
+    assert (s[fin].double() - ref_s[fin]).abs().max().item() < 1e-4 if fin.any() else True
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_merge_state(dtype, dim):
+    va, sa = _states(333, 8, dim, dtype, 1)
+    vb, sb = _states(333, 8, dim, dtype, 2)
+    v, s = attnjit.merge_state(va, sa, vb, sb)
+    ref_v, ref_s = reference.merge_state(va, sa, vb, sb)
+    _check(v, s, ref_v, ref_s, dtype)
+
+
+def test_merge_state_seed_example():
+    """[1, 0] with lse 2 and [0, 1] with lse 1 merge to [2/3, 1/3] with lse 2 + log2(1.5) = 2.585."""
+    va = torch.zeros(1, 1, 64, dtype=torch.float16, device=DEV)
+    vb = torch.zeros_like(va)
+    va[0, 0, 0], vb[0, 0, 1] = 1.0, 1.0
+    sa = torch.tensor([[2.0]], device=DEV)
+    sb = torch.tensor([[1.0]], device=DEV)
+    v, s = attnjit.merge_state(va, sa, vb, sb)
+    assert abs(v[0, 0, 0].item() - 2 / 3) < 1e-3 and abs(v[0, 0, 1].item() - 1 / 3) < 1e-3
+    assert abs(s.item() - (2 + math.log2(1.5))) < 1e-5
+    # merging with the empty state (0, -inf) is the identity; two empty states stay empty
+    v2, s2 = attnjit.merge_state(v, s, torch.zeros_like(v), torch.full_like(s, -math.inf))
+    assert torch.equal(v2, v) and torch.equal(s2, s)
+    v3, s3 = attnjit.merge_state(torch.zeros_like(v), torch.full_like(s, -math.inf), torch.zeros_like(v),
+                                 torch.full_like(s, -math.inf))
+    assert torch.equal(v3, torch.zeros_like(v3)) and s3.item() == -math.inf
+
+
+def test_merge_state_in_place_with_mask():
+    va, sa = _states(100, 4, 128, torch.bfloat16, 3)
+    vb, sb = _states(100, 4, 128, torch.bfloat16, 4)
+    mask = torch.rand(100, generator=torch.Generator().manual_seed(5)) < 0.5
+    v, s = va.clone(), sa.clone()
+    attnjit.merge_state_in_place(v, s, vb, sb, mask=mask.to(DEV))
+    ref_v, ref_s = reference.merge_state(va, sa, vb, sb)
+    m = mask.to(DEV)
+    _check(v[m], s[m], ref_v[m], ref_s[m], torch.bfloat16)
+    assert torch.equal(v[~m], va[~m]) and torch.equal(s[~m], sa[~m])
+    v, s = va.clone(), sa.clone()
+    attnjit.merge_state_in_place(v, s, vb, sb)
+    _check(v, s, ref_v, ref_s, torch.bfloat16)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 17])
+def test_merge_states(n):
+    v, s = _states(77, 8, 128, torch.float16, 10 + n, n=n, empty_frac=0.3)
+    s[0] = -math.inf  # a row whose every state is empty
+    v[0] = 0
+    out, lse = attnjit.merge_states(v, s)
+    ref_v, ref_s = reference.merge_states(v, s)
+    _check(out, lse, ref_v, ref_s, torch.float16)
+    assert lse[0].isinf().all() and torch.equal(out[0].float(), torch.zeros_like(out[0].float()))
+
+
+@pytest.mark.parametrize("layout,page_size,dtype", [("NHD", 16, torch.bfloat16), ("NHD", 1, torch.float16),
+                                                     ("HND", 16, torch.float16), ("HND", 8, torch.bfloat16)])
+def test_append_paged_kv_cache(layout, page_size, dtype):
+    gen = torch.Generator().manual_seed(page_size)
+    seq_lens = [7, 1, 40, 16]          # KV length after the append
+    append = [3, 1, 17, 16]            # new tokens per request
+    pages = [-(-k // page_size) for k in seq_lens]
+    ids = torch.randperm(sum(pages) + 5, generator=gen).tolist()
+    kv_indptr, kv_indices, pos = [0], [], 0
+    for n in pages:
+        kv_indices += ids[pos:pos + n]
+        pos += n
+        kv_indptr.append(len(kv_indices))
+    last = [k - page_size * (n - 1) for k, n in zip(seq_lens, pages)]
+    total_pages = sum(pages) + 5
+    shape = (total_pages, 2, page_size, 4, 128) if layout == "NHD" else (total_pages, 2, 4, page_size, 128)
+    cache = torch.randn(shape, generator=gen).to(dtype).to(DEV)
+    before = cache.clone()
+    append_indptr = [0]
+    for a in append:
+        append_indptr.append(append_indptr[-1] + a)
+    nnz = append_indptr[-1]
+    k = torch.randn(nnz, 4, 128, generator=gen).to(dtype).to(DEV)
+    v = torch.randn(nnz, 4, 128, generator=gen).to(dtype).to(DEV)
+    b_idx, positions = attnjit.get_batch_indices_positions(i32(append_indptr, DEV), i32(seq_lens, DEV), nnz)
+    ref_b, ref_pos = reference.batch_indices_positions(append_indptr, seq_lens)
+    assert b_idx.tolist() == ref_b and positions.tolist() == ref_pos
+    attnjit.append_paged_kv_cache(k, v, b_idx, positions, cache, i32(kv_indices, DEV), i32(kv_indptr, DEV),
+                                  i32(last, DEV), kv_layout=layout, check=True)
+    ref_k, ref_v = reference.append_paged_kv_cache(k, v, ref_b, ref_pos, before, kv_indices, kv_indptr,
+                                                   page_size=page_size, layout=layout)
+    assert torch.equal(cache[:, 0], ref_k) and torch.equal(cache[:, 1], ref_v)
+
+
+def test_append_out_of_range_is_an_error_with_check_and_skipped_without():
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16, device=DEV)
+    k = torch.ones(1, 2, 64, dtype=torch.float16, device=DEV)
+    args = (i32([0], DEV), i32([16], DEV), cache, i32([2], DEV), i32([0, 1], DEV), i32([16], DEV))
+    with pytest.raises(ValueError, match="positions"):
+        attnjit.append_paged_kv_cache(k, k, *args, check=True)
+    attnjit.append_paged_kv_cache(k, k, *args)  # position 16 is past the request's only page: not written
+    torch.cuda.synchronize()
+    assert cache.abs().sum().item() == 0

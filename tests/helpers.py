@@ -1,0 +1,123 @@
+"""Builders of random test batches (paged and ragged) and the comparison rule, shared by CPU and GPU tests."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+# Relative error bound ||out - ref|| / ||ref|| and the largest absolute error allowed per element.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+ABS_TOL = {torch.bfloat16: 6e-2, torch.float16: 1.5e-2}
+
+
+def i32(values, device="cpu") -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+@dataclass
+class PagedBatch:
+    qo_lens: list[int]
+    kv_lens: list[int]
+    page_size: int
+    layout: str
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    kv_indices: list[int]
+    last_page_len: list[int]
+    q: torch.Tensor          # [nnz, H_q, D]
+    cache: torch.Tensor      # [P, 2, page, H_kv, D] (NHD) or [P, 2, H_kv, page, D] (HND)
+
+    def tensors(self, device):
+        return (i32(self.qo_indptr, device), i32(self.kv_indptr, device), i32(self.kv_indices, device),
+                i32(self.last_page_len, device))
+
+
+def logit_offset(q: torch.Tensor, k: torch.Tensor, offset: float, sm_scale: float) -> None:
+    """Shift every logit by about ``offset`` (in place): q and k gain a large component along one direction."""
+    if offset == 0:
+        return
+    a = math.sqrt(abs(offset) / sm_scale)
+    q[..., 0] += a
+    k[..., 0] += math.copysign(a, offset)
+
+
+def make_paged(qo_lens, kv_lens, *, page_size, num_qo_heads, num_kv_heads, head_dim, dtype, layout="NHD",
+               device="cpu", shared_prefix=False, spare_pages=3, seed=0, offset=0.0) -> PagedBatch:
+    """Random pages in shuffled order; with shared_prefix, later requests reuse request 0's full first pages."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = [-(-k // page_size) if k else 0 for k in kv_lens]
+    total = sum(n_pages) + spare_pages
+    ids = list(range(total))
+    rng.shuffle(ids)
+    pages, pos = [], 0
+    for n in n_pages:
+        pages.append(ids[pos:pos + n])
+        pos += n
+    if shared_prefix and pages and pages[0]:
+        full0 = kv_lens[0] // page_size
+        for i in range(1, len(pages)):
+            share = min(full0, len(pages[i]) - 1)
+            pages[i][:share] = pages[0][:share]
+    kv_indptr, kv_indices, last = [0], [], []
+    for n, p, k in zip(n_pages, pages, kv_lens):
+        kv_indices += p
+        kv_indptr.append(len(kv_indices))
+        last.append(k - page_size * (n - 1) if n else 0)
+    qo_indptr = [0]
+    for q in qo_lens:
+        qo_indptr.append(qo_indptr[-1] + q)
+    q = torch.randn(qo_indptr[-1], num_qo_heads, head_dim, generator=gen)
+    shape = (total, 2, page_size, num_kv_heads, head_dim) if layout == "NHD" else \
+        (total, 2, num_kv_heads, page_size, head_dim)
+    cache = torch.randn(shape, generator=gen)
+    logit_offset(q, cache[:, 0], offset, 1.0 / math.sqrt(head_dim))
+    return PagedBatch(list(qo_lens), list(kv_lens), page_size, layout, qo_indptr, kv_indptr, kv_indices, last,
+                      q.to(dtype).to(device), cache.to(dtype).to(device))
+
+
+def make_ragged(qo_lens, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=0, offset=0.0):
+    gen = torch.Generator().manual_seed(seed)
+    qo_indptr, kv_indptr = [0], [0]
+    for q, k in zip(qo_lens, kv_lens):
+        qo_indptr.append(qo_indptr[-1] + q)
+        kv_indptr.append(kv_indptr[-1] + k)
+    q = torch.randn(qo_indptr[-1], num_qo_heads, head_dim, generator=gen)
+    k = torch.randn(kv_indptr[-1], num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(kv_indptr[-1], num_kv_heads, head_dim, generator=gen)
+    logit_offset(q, k, offset, 1.0 / math.sqrt(head_dim))
+    cast = lambda t: t.to(dtype).to(device)  # noqa: E731
+    return qo_indptr, kv_indptr, cast(q), cast(k), cast(v)
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    """An output buffer full of NaN: any element the kernel does not write fails the comparison."""
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "out") -> float:
+    """rel error under REL_TOL[dtype], every element within ABS_TOL[dtype], no NaN/Inf. Returns the rel error."""
+    out64 = out.double()
+    assert torch.isfinite(out64).all(), f"{what}: {int((~torch.isfinite(out64)).sum())} non-finite elements"
+    ref = ref.to(out64.device)
+    denom = ref.norm().item()
+    rel = (out64 - ref).norm().item() / denom if denom > 0 else (out64 - ref).norm().item()
+    worst = (out64 - ref).abs().max().item() if ref.numel() else 0.0
+    assert rel < REL_TOL[dtype], f"{what}: relative error {rel:.3e} >= {REL_TOL[dtype]:.0e}"
+    assert worst <= ABS_TOL[dtype], f"{what}: max abs error {worst:.3e} > {ABS_TOL[dtype]:.0e}"
+    return rel
+
+
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, what: str = "lse") -> None:
+    """Same -inf pattern; elsewhere |lse - ref| <= 5e-3 + 1e-4 |ref| (base 2)."""
+    lse64, ref = lse.double(), ref.to(lse.device).double()
+    inf_ref = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse64) & (lse64 < 0), inf_ref), f"{what}: -inf pattern differs"
+    assert not torch.isnan(lse64).any(), f"{what}: NaN"
+    fin = ~inf_ref
+    err = (lse64[fin] - ref[fin]).abs()
+    bound = 5e-3 + 1e-4 * ref[fin].abs()
+    assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e}"

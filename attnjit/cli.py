@@ -115,7 +115,9 @@ def cmd_info(args) -> int:
         except metadata.PackageNotFoundError:
             return "not installed"
 
-    print(f"attnjit {version('attnjit')}  python {sys.version.split()[0]}")
+    from . import __version__
+
+    print(f"attnjit {__version__}  python {sys.version.split()[0]}")
     for pkg in ("torch", "cupy-cuda13x", "jinja2", "ninja", "filelock"):
         print(f"  {pkg:<14} {version(pkg)}")
     try:

@@ -28,7 +28,7 @@ from .generator import PARAMS, KernelInfo, ParamLayout, render
 from .jit import Binary, ensure
 from .specs import AttentionSpec
 
-_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8  # CUfunction_attribute
 
 
 # --- records --------------------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ class Module:
             self.raw = cupy.RawModule(path=str(binary.entry.cubin))
             self.kernels: dict[str, Kernel] = {}
             for name, info in render(self.spec).kernels.items():
-                fn = self.raw.get_function(name)
+                fn = self.raw.get_function(name).kernel  # cupy.cuda.Function, loaded on this device
                 if info.smem > 48 * 1024:
                     cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       info.smem)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def run_case(case: Case, workspace, seed: int):
 
 @pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
 def test_matches_reference(case: Case, workspace):
-    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=hash(case.name) % 1000)
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(case.name.encode()) % 1000)
     torch.cuda.synchronize()
     assert_close(out, ref_o, case.dtype)
     assert_lse_close(lse, ref_lse)

@@ -77,12 +77,9 @@ PARAMS: dict[str, ParamLayout] = {
         kv_indptr: ptr: [B+1] i32 page-table offsets (paged) or kv token offsets (ragged)
         kv_indices: ptr: [*] i32 page ids in logical order (paged)
         kv_lens: ptr: [B] i32 kv tokens per request (current queries included)
-        work_req: ptr: [W] i32 request of each work item
-        work_qtile: ptr: [W] i32 q tile (of CTA_Q packed rows) of each work item
-        work_kv_begin: ptr: [W] i32 first kv token of each work item
-        work_kv_end: ptr: [W] i32 end kv token of each work item
-        work_pslot: ptr: [W] i32 partial slot of each work item's first token, -1 = write the output
-        work_count: ptr: [1] i32 number of work items
+        work: ptr: [W][8] i32 work records {request, q tile, kv begin, kv end, chunk-0 slot or -1, chunk, chunks, group}
+        work_count: ptr: [1] i32 number of work records
+        merge_counters: ptr: [groups][H_kv] i32 split-group tickets, zero between runs
         q_stride_n: i64: q token stride (elements)
         q_stride_h: i64: q head stride
         o_stride_n: i64: o token stride
@@ -91,20 +88,6 @@ PARAMS: dict[str, ParamLayout] = {
         kv_stride_1: i64: paged: slot stride (NHD) or head stride (HND); ragged: head stride
         num_qo_heads: i64: H_q
         sm_scale_log2: f64: sm_scale * log2(e)
-    """)),
-    "merge_partials": ParamLayout(_p("""
-        tmp_o: ptr: [slots, H_q, D] f32 partial outputs
-        tmp_lse: ptr: [slots, H_q] f32 partial lse
-        o: ptr: [nnz_qo, H_q, D] output
-        lse: ptr: [nnz_qo, H_q] f32 output lse, or 0
-        merge_tok: ptr: [M] i32 output token of each merge row
-        merge_slot: ptr: [M] i32 first partial slot
-        merge_stride: ptr: [M] i32 slots between consecutive chunks
-        merge_num: ptr: [M] i32 number of chunks
-        merge_count_total: ptr: [1] i32 number of merge rows
-        o_stride_n: i64: o token stride
-        o_stride_h: i64: o head stride
-        num_qo_heads: i64: H_q
     """)),
     "merge_two": ParamLayout(_p("""
         v_a: ptr: [rows, H, D]
@@ -306,10 +289,9 @@ def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
         ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_qk,
                    group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
                    paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
-                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles, merge_block=128)
+                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles)
         for t in tiles:
             kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, "attention", t)
-        kernels["attnjit_merge_partials"] = KernelInfo("attnjit_merge_partials", 128, 0, "merge_partials")
     elif spec.op == "merge_state":
         ctx.update(ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_vo, block=128)
         kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, "merge_two")

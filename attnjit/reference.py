@@ -123,7 +123,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp2(s64 - m_safe[:, None])                      # [seq, n, H]; exp2(-inf) = 0
     z = w.sum(dim=1)                                           # [seq, H]
-    scale = torch.where(z > 0, w / z.clamp_min(1e-300)[:, None], torch.zeros_like(w))
+    scale = torch.where((z > 0)[:, None], w / z.clamp_min(1e-300)[:, None], torch.zeros_like(w))
     out = (scale[..., None] * v64).sum(dim=1)
     lse = torch.where(z > 0, m_safe + torch.log2(z.clamp_min(1e-300)), torch.full_like(m, -math.inf))
     return out, lse

@@ -9,6 +9,7 @@ Timing: CUDA events around 30 back-to-back calls (after 10 warm-up calls), media
 a whole run() (all its launches). Every input is random; KV caches are larger than the 60 MB L2.
 
     python benchmarks/bench.py [--only decode|prefill] [--no-flashinfer] [--json OUT.json]
+    python benchmarks/bench.py --sweep      # prefill tile variants (tuning aid; compiles each variant)
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def ws_fi():
     return _ws_fi
 
 
-def bench_prefill(fi, rows, results):
+def bench_prefill(fi, rows, results, sdpa: bool = True):
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for batch, length in rows:
         indptr, indices, last, cache = paged_tables(batch, length, seed=1)
@@ -131,7 +132,7 @@ def bench_prefill(fi, rows, results):
         qs = q.view(batch, length, H_Q, D).transpose(1, 2).contiguous()
         ks = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
         vs = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
-        for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+        for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")) if sdpa else ():
             try:
                 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -146,6 +147,35 @@ def bench_prefill(fi, rows, results):
         results.append(row)
         del cache, ks, vs
         torch.cuda.empty_cache()
+
+
+# Prefill tile variants tried by --sweep: (warps_q, warps_kv, mma_q, mma_kv, stages, min_blocks)
+SWEEP = [(4, 1, 2, 4, 2, 1), (4, 1, 2, 2, 2, 2), (8, 1, 1, 4, 2, 1), (8, 1, 1, 2, 2, 1), (4, 1, 1, 4, 2, 2),
+         (4, 1, 1, 4, 3, 2)]
+
+
+def sweep_prefill(rows) -> list[dict]:
+    """Time each SWEEP tile as the wide prefill tile (a tuning aid: the winner becomes generator._wide_tile)."""
+    from attnjit import dispatch, generator
+
+    original = generator._wide_tile
+    out = []
+    try:
+        for v in SWEEP:
+            tile = generator.Tile(D, *v)
+            generator._wide_tile = lambda hd, tile=tile: tile
+            generator.render.cache_clear()
+            dispatch.clear_memory()
+            res: list[dict] = []
+            bench_prefill(None, rows, res, sdpa=False)
+            out.append({"tile": tile.name, "variant": v, "smem": tile.smem,
+                        **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res}})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        generator._wide_tile = original
+        generator.render.cache_clear()
+        dispatch.clear_memory()
+    return out
 
 
 def table(results) -> str:
@@ -171,7 +201,13 @@ def main() -> int:
     ap.add_argument("--only", choices=["decode", "prefill"])
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     args = ap.parse_args()
+    if args.sweep:
+        rows = sweep_prefill(PREFILL_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     fi = None if args.no_flashinfer else load_flashinfer()
     results: list[dict] = []
     t0 = time.time()

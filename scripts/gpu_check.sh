@@ -6,13 +6,14 @@
 #   3. the benchmarks: attnjit vs FlashInfer 0.7.2 (when .bench/flashinfer.tar.xz was carried) vs torch SDPA
 # and prints a short table last. Nothing is installed from the network.
 #
-#   bash scripts/gpu_check.sh [all|tests|bench] [pytest args...]
+#   bash scripts/gpu_check.sh [all|tests|bench|sweep] [pytest args...]   (sweep: prefill tile variants too)
 #   carry: .device-cache (pre-built cubins, see `make_device_cache` below) and .bench (FlashInfer bundle)
 # Build the carried cache here first (no GPU needed):
 #   ATTNJIT_CACHE_DIR=.device-cache attnjit warm specs/gpu-tests.toml specs/bench.toml
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
+sweep=0; if [ "$what" = sweep ]; then sweep=1; what=all; fi
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ATTNJIT_CACHE_DIR=${ATTNJIT_CACHE_DIR:-$PWD/.device-cache}
@@ -38,6 +39,12 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
 
+if [ "$sweep" = 1 ]; then
+  t=$(date +%s)
+  python3 benchmarks/bench.py --sweep --json "$OUT/sweep.json" >"$OUT/sweep.txt" 2>"$OUT/sweep.err"
+  summary+=("sweep (rc=$?, $(( $(date +%s) - t )) s)")
+fi
+
 if [ "$what" = all ] || [ "$what" = bench ]; then
   fi_flag=--no-flashinfer
   if [ -f .bench/flashinfer.tar.xz ]; then
@@ -46,12 +53,12 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
       export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
              MAX_JOBS=16 && fi_flag=""
     mkdir -p /tmp/fiws
-    [ -f .bench/fi-jit.tar ] && tar xf .bench/fi-jit.tar -C /tmp/fiws
+    [ -f .bench/fi-jit.tar.xz ] && tar xJf .bench/fi-jit.tar.xz -C /tmp/fiws  # FlashInfer's JIT output of a run before
   fi
   t=$(date +%s)
   python3 benchmarks/bench.py $fi_flag --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
   summary+=("bench (rc=$?, $(( $(date +%s) - t )) s)")
-  if [ -d /tmp/fiws/.cache ] && [ ! -f .bench/fi-jit.tar ]; then
+  if [ -d /tmp/fiws/.cache ] && [ ! -f .bench/fi-jit.tar.xz ]; then
     tar -C /tmp/fiws -cf - .cache | xz -T0 -3 >"$OUT/fi-jit.tar.xz"
   fi
   tail -5 "$OUT/bench.err"
@@ -59,5 +66,6 @@ fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}"
+[ -f "$OUT/sweep.txt" ] && cat "$OUT/sweep.txt"
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 exit 0

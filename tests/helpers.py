@@ -60,7 +60,7 @@ def make_paged(qo_lens, kv_lens, *, page_size, num_qo_heads, num_kv_heads, head_
     if shared_prefix and pages and pages[0]:
         full0 = kv_lens[0] // page_size
         for i in range(1, len(pages)):
-            share = min(full0, len(pages[i]) - 1)
+            share = max(0, min(full0, len(pages[i]) - 1))  # the last page stays private (it is being written)
             pages[i][:share] = pages[0][:share]
     kv_indptr, kv_indices, last = [0], [], []
     for n, p, k in zip(n_pages, pages, kv_lens):

@@ -24,9 +24,8 @@ from ._common import (SPEC_DTYPE, PagedCache, as_dtype, check_head_dim, check_he
 from .scheduler import WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
-# int32 regions of the per-plan metadata buffer, in order
-_REGIONS = ("qo_indptr", "kv_lens", "work_req", "work_qtile", "work_kv_begin", "work_kv_end", "work_pslot",
-            "merge_tok", "merge_slot", "merge_stride", "merge_num", "work_count", "merge_count")
+# int32 regions of the per-plan metadata buffer, in order ("work" first: its records are read as int4 pairs)
+_REGIONS = ("work", "qo_indptr", "kv_lens", "work_count", "merge_counters")
 
 
 @dataclass
@@ -46,9 +45,7 @@ class _Plan:
     total_kv: int                   # ragged: kv_indptr[-1]
     on_gpu: bool
     attn: Any = None                # dispatch.Launch
-    merge: Any = None               # dispatch.Launch or None
     attn_values: list = field(default_factory=list)
-    merge_values: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
 
     def decision(self) -> dict:
@@ -81,7 +78,7 @@ class _AttentionWrapper:
         self._graph_meta: torch.Tensor | None = None    # fixed int32 metadata buffer (graph mode)
         self._graph_regions: dict[str, tuple[int, int]] | None = None
         self._graph_tables: dict[str, torch.Tensor] = {}
-        self._graph_grid: tuple[int, int] | None = None  # fixed (attention grid.x, merge grid.x)
+        self._graph_grid: int | None = None  # fixed attention grid.x
         self._graph_batch: int | None = None
         self._graph_spec: AttentionSpec | None = None
         self._graph_tile: Tile | None = None
@@ -132,7 +129,7 @@ class _AttentionWrapper:
                 raise ValueError(f"use_cuda_graph: plan() asks for {spec.short_name()} but this wrapper's graph "
                                  f"was planned for {self._graph_spec.short_name()}; use one wrapper per kernel spec")
             tile = self._graph_tile
-        module = kernel = None
+        kernel = None
         if on_gpu:
             module = dispatch.module(spec, self._device)
             kernel = module.kernels[tile.kernel]
@@ -149,13 +146,11 @@ class _AttentionWrapper:
         plan = _Plan(spec=spec, work=work, batch_size=batch, total_q=qo[-1], num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
                      kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=max_page, total_kv=total_kv, on_gpu=on_gpu)
-        host = {"qo_indptr": qo, "kv_lens": kv_lens, "work_req": work.req, "work_qtile": work.qtile,
-                "work_kv_begin": work.kv_begin, "work_kv_end": work.kv_end, "work_pslot": work.pslot,
-                "merge_tok": work.merge_tok, "merge_slot": work.merge_slot, "merge_stride": work.merge_stride,
-                "merge_num": work.merge_num, "work_count": [work.num_items], "merge_count": [len(work.merge_tok)]}
+        host = {"work": [x for rec in work.records for x in rec], "qo_indptr": qo, "kv_lens": kv_lens,
+                "work_count": [work.num_items], "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
             ptr = self._upload(host, tables, batch, plan)
-            self._prepare_launches(plan, module, kernel, ptr, sm_scale, max_slots, per_sm * sms)
+            self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
         self._plan = plan
 
     def _upload(self, host: dict[str, list[int]], tables: dict[str, torch.Tensor], batch: int,
@@ -168,13 +163,9 @@ class _AttentionWrapper:
                 raise ValueError(f"this wrapper was built with use_cuda_graph=True and first planned for batch size "
                                  f"{self._graph_batch}; plan() got batch size {batch}. Use one wrapper per batch size.")
             if self._graph_regions is None:
-                cap_items = max(self._max_work_items or 0, 2 * len(host["work_req"]), 64)
-                caps = {"qo_indptr": batch + 1, "kv_lens": batch, "work_count": 1, "merge_count": 1}
-                cap_merge = max(2 * len(host["merge_tok"]), 2 * (len(host["qo_indptr"]) - 1), 64)
-                for r in ("work_req", "work_qtile", "work_kv_begin", "work_kv_end", "work_pslot"):
-                    caps[r] = cap_items
-                for r in ("merge_tok", "merge_slot", "merge_stride", "merge_num"):
-                    caps[r] = max(cap_merge, host["qo_indptr"][-1])
+                cap_items = max(self._max_work_items or 0, 2 * (len(host["work"]) // 8), 64)
+                caps = {"work": 8 * cap_items, "qo_indptr": batch + 1, "kv_lens": batch, "work_count": 1,
+                        "merge_counters": cap_items * plan.num_kv_heads}
                 offset, regions = 0, {}
                 for r in _REGIONS:
                     regions[r] = (offset, caps[r])
@@ -195,7 +186,7 @@ class _AttentionWrapper:
             values = host[r]
             if len(values) > cap:
                 raise ValueError(f"use_cuda_graph: this plan needs {len(values)} entries of {r} but the wrapper's "
-                                 f"fixed buffers hold {cap}; build the wrapper with max_work_items={2 * len(values)}")
+                                 f"fixed buffers hold {cap}; build the wrapper with a larger max_work_items")
             if values:
                 buf[off:off + len(values)] = torch.tensor(values, dtype=torch.int32)
         if self._use_cuda_graph:
@@ -224,37 +215,24 @@ class _AttentionWrapper:
             ptr[name] = t.data_ptr()
         return ptr
 
-    def _prepare_launches(self, plan: _Plan, module, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
-                          slots: int) -> None:
+    def _prepare_launch(self, plan: _Plan, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
+                        slots: int) -> None:
         work = plan.work
         d, hq = plan.head_dim, plan.num_qo_heads
         ws = self._workspace.data_ptr()
-        tmp_o, tmp_lse = ws, ws + max_slots * hq * d * 4
         if self._use_cuda_graph:
             if self._graph_grid is None:
-                self._graph_grid = (max(slots, 1), max(slots, 1))
-            grid_x, merge_x = self._graph_grid
-            has_merge = True
+                self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
+            grid_x = self._graph_grid
         else:
-            grid_x, merge_x = work.num_items, len(work.merge_tok)
-            has_merge = bool(work.merge_tok)
-        decision = plan.decision()
-        plan.attn = dispatch.Launch(self._op, kernel, (grid_x, plan.num_kv_heads, 1), plan=decision)
-        lay = PARAMS["attention"]
-        plan.attn_values = lay.values(
-            q=0, k=0, v=0, o=0, lse=0, tmp_o=tmp_o, tmp_lse=tmp_lse, qo_indptr=ptr["qo_indptr"],
+            grid_x = work.num_items
+        plan.attn = dispatch.Launch(self._op, kernel, (grid_x, plan.num_kv_heads, 1), plan=plan.decision())
+        plan.attn_values = PARAMS["attention"].values(
+            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4, qo_indptr=ptr["qo_indptr"],
             kv_indptr=ptr["kv_indptr"], kv_indices=ptr.get("kv_indices", 0), kv_lens=ptr["kv_lens"],
-            work_req=ptr["work_req"], work_qtile=ptr["work_qtile"], work_kv_begin=ptr["work_kv_begin"],
-            work_kv_end=ptr["work_kv_end"], work_pslot=ptr["work_pslot"], work_count=ptr["work_count"],
+            work=ptr["work"], work_count=ptr["work_count"], merge_counters=ptr["merge_counters"],
             q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0, kv_stride_1=0,
             num_qo_heads=hq, sm_scale_log2=sm_scale * _LOG2E)
-        if has_merge:
-            merge_kernel = module.kernels["attnjit_merge_partials"]
-            plan.merge = dispatch.Launch(self._op, merge_kernel, (merge_x, 1, 1), plan=decision)
-            plan.merge_values = PARAMS["merge_partials"].values(
-                tmp_o=tmp_o, tmp_lse=tmp_lse, o=0, lse=0, merge_tok=ptr["merge_tok"], merge_slot=ptr["merge_slot"],
-                merge_stride=ptr["merge_stride"], merge_num=ptr["merge_num"], merge_count_total=ptr["merge_count"],
-                o_stride_n=0, o_stride_h=0, num_qo_heads=hq)
 
     # --- run ----------------------------------------------------------------------------------------------
 
@@ -296,23 +274,16 @@ class _AttentionWrapper:
         vals = plan.attn_values
         vals[0], vals[1], vals[2], vals[3] = q.data_ptr(), k_ptr, v_ptr, out.data_ptr()
         vals[4] = lse.data_ptr() if lse is not None else 0
-        vals[17], vals[18], vals[19], vals[20] = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
-        vals[21], vals[22] = stride0, stride1
+        vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+        vals[_KV0], vals[_KV1] = stride0, stride1
         plan.attn(vals)
-        if plan.merge is not None:
-            mv = plan.merge_values
-            mv[2], mv[3] = out.data_ptr(), (lse.data_ptr() if lse is not None else 0)
-            mv[9], mv[10] = out.stride(0), out.stride(1)
-            plan.merge(mv)
 
 
-# indices into PARAMS["attention"] used by _launch's fast path; checked at import
+# positions in PARAMS["attention"] that _launch fills per run()
 _A = PARAMS["attention"].index
 assert (_A["q"], _A["k"], _A["v"], _A["o"], _A["lse"]) == (0, 1, 2, 3, 4)
-assert (_A["q_stride_n"], _A["q_stride_h"], _A["o_stride_n"], _A["o_stride_h"], _A["kv_stride_0"],
-        _A["kv_stride_1"]) == (17, 18, 19, 20, 21, 22)
-_M = PARAMS["merge_partials"].index
-assert (_M["o"], _M["lse"], _M["o_stride_n"], _M["o_stride_h"]) == (2, 3, 9, 10)
+_QSN, _QSH, _OSN, _OSH = _A["q_stride_n"], _A["q_stride_h"], _A["o_stride_n"], _A["o_stride_h"]
+_KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
 
 
 class _PagedMixin:

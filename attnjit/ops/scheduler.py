@@ -5,7 +5,7 @@ A work item is (request, q tile of CTA_Q packed rows, KV range). Without splitti
 (``items * H_kv < slots``, slots = SMs x resident CTAs per SM), long histories are cut into equal chunks, the
 smallest chunk (a multiple of the KV tile, at least ``MIN_CHUNK`` tokens) for which the items still fit in one
 wave of slots. Each chunk of a split request writes an fp32 partial state per (token, head) to a workspace slot;
-a merge pass combines them. Items are ordered longest first, so the hardware scheduler starts the heavy ones
+the last CTA of each split group (request, q tile, KV head) merges them. Items are ordered longest first, so the hardware scheduler starts the heavy ones
 first (LPT).
 """
 
@@ -22,15 +22,9 @@ MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops b
 @dataclass
 class WorkPlan:
     tile: Tile
-    req: list[int] = field(default_factory=list)
-    qtile: list[int] = field(default_factory=list)
-    kv_begin: list[int] = field(default_factory=list)
-    kv_end: list[int] = field(default_factory=list)
-    pslot: list[int] = field(default_factory=list)
-    merge_tok: list[int] = field(default_factory=list)
-    merge_slot: list[int] = field(default_factory=list)
-    merge_stride: list[int] = field(default_factory=list)
-    merge_num: list[int] = field(default_factory=list)
+    # one record per work item: (request, q tile, kv begin, kv end, chunk-0 slot or -1, chunk, chunks, group)
+    records: list[tuple[int, int, int, int, int, int, int, int]] = field(default_factory=list)
+    num_groups: int = 0            # split groups (request, q tile); each has one ticket counter per KV head
     chunk: int | None = None       # kv tokens per chunk of split requests; None = nothing split
     num_slots: int = 0             # partial-state slots used
     split_requests: int = 0
@@ -38,12 +32,12 @@ class WorkPlan:
 
     @property
     def num_items(self) -> int:
-        return len(self.req)
+        return len(self.records)
 
     def decision(self, num_kv_heads: int) -> dict:
         return {"tile": self.tile.name, "work_items": self.num_items, "ctas": self.num_items * num_kv_heads,
                 "gpu_slots": self.slots_target, "split_kv": self.chunk is not None, "chunk_kv": self.chunk,
-                "split_requests": self.split_requests, "merge_rows": len(self.merge_tok)}
+                "split_requests": self.split_requests, "split_groups": self.num_groups}
 
 
 def _ceil(a: int, b: int) -> int:
@@ -97,7 +91,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     else:
         chunk = None
     plan = WorkPlan(tile=tile, slots_target=slots)
-    items = []  # (cost, order, req, qtile, kv_begin, kv_end, pslot)
+    items = []  # (-cost, order, record)
     next_slot = 0
     for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
         if not t:
@@ -108,31 +102,24 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
             base = next_slot
             next_slot += n_chunks * q
             plan.split_requests += 1
-            for tok in range(q):
-                plan.merge_tok.append(qo_offsets[i] + tok)
-                plan.merge_slot.append(base + tok)
-                plan.merge_stride.append(q)
-                plan.merge_num.append(n_chunks)
         for qt in range(t):
             rows = min(tile.cta_q, q * group - qt * tile.cta_q)
             last_token = (qt * tile.cta_q + rows - 1) // group
             causal_end = k - q + last_token + 1 if causal else k
+            group_id = -1
+            if n_chunks > 1:
+                group_id = plan.num_groups
+                plan.num_groups += 1
             for c in range(n_chunks):
                 kb = c * chunk if n_chunks > 1 else 0
                 ke = min(k, kb + chunk) if n_chunks > 1 else k
                 visited = max(0, min(ke, causal_end) - kb)
-                pslot = base + c * q if n_chunks > 1 else -1
-                items.append((-(rows * max(visited, 1)), len(items), i, qt, kb, ke, pslot))
+                items.append((-(rows * max(visited, 1)), len(items), (i, qt, kb, ke, base, c, n_chunks, group_id)))
     if next_slot > max_slots:
         raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
                          f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")
     items.sort()
-    for _cost, _order, i, qt, kb, ke, ps in items:
-        plan.req.append(i)
-        plan.qtile.append(qt)
-        plan.kv_begin.append(kb)
-        plan.kv_end.append(ke)
-        plan.pslot.append(ps)
+    plan.records = [rec for _cost, _order, rec in items]
     plan.chunk = chunk if plan.split_requests else None
     plan.num_slots = next_slot
     return plan

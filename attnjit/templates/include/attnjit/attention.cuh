@@ -8,7 +8,8 @@
 //     KV head; blockIdx.x walks the work list with stride gridDim.x (a fixed grid can serve any work list, which
 //     is what CUDA-graph replay needs).
 //   * A request whose history is split into chunks writes fp32 partial states (o, lse) to a workspace; the
-//     merge kernel below combines them. Unsplit requests write the output directly.
+//     last CTA of each split group (an atomic ticket) merges the group's partials and writes the output, so a
+//     split costs no second launch. Unsplit requests write the output directly.
 //
 // Math, per packed row: s_j = q.k_j, visible iff j < kv_len and (!CAUSAL or j <= kv_len - qo_len + token)
 // (bottom-right aligned). Online softmax in base 2 with the scale sm_scale*log2(e) folded in:
@@ -105,7 +106,8 @@ struct AttentionCTA {
   // the current work item
   int req, qo_len, kv_len, rows_total, packed_row0, kv_begin, kv_stop, num_tiles;
   int64_t q_begin, kv_base;  // kv_base: page-table offset (paged) or first kv token (ragged)
-  int pslot;
+  int pslot;                 // partial slot of this item's first token (-1: write the output)
+  int pslot0, nchunks, group;  // split group: chunk 0's slot, chunks, ticket counter index
 
   __device__ AttentionCTA(const P& params, uint8_t* smem_)
       : p(params),
@@ -124,16 +126,22 @@ struct AttentionCTA {
   }
 
   __device__ __forceinline__ bool setup(int w) {
-    req = reinterpret_cast<const int32_t*>(p.work_req)[w];
-    const int qtile = reinterpret_cast<const int32_t*>(p.work_qtile)[w];
-    kv_begin = reinterpret_cast<const int32_t*>(p.work_kv_begin)[w];
-    const int kv_end = reinterpret_cast<const int32_t*>(p.work_kv_end)[w];
-    pslot = reinterpret_cast<const int32_t*>(p.work_pslot)[w];
+    // work record: {request, q tile, kv begin, kv end, slot of chunk 0 (-1: unsplit), chunk, chunks, group}
+    const int4* rec = reinterpret_cast<const int4*>(p.work) + 2 * static_cast<int64_t>(w);
+    const int4 a = rec[0], b = rec[1];
+    req = a.x;
+    const int qtile = a.y;
+    kv_begin = a.z;
+    const int kv_end = a.w;
+    pslot0 = b.x;
+    nchunks = b.z;
+    group = b.w;
     const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
     q_begin = qo_indptr[req];
     qo_len = qo_indptr[req + 1] - qo_indptr[req];
     kv_len = reinterpret_cast<const int32_t*>(p.kv_lens)[req];
     kv_base = reinterpret_cast<const int32_t*>(p.kv_indptr)[req];
+    pslot = pslot0 >= 0 ? pslot0 + b.y * qo_len : -1;
     rows_total = qo_len * Tr::GROUP;
     packed_row0 = qtile * Tr::CTA_Q;
     kv_stop = kv_end;
@@ -328,20 +336,27 @@ struct AttentionCTA {
 
   // ---- output ---------------------------------------------------------------------------------------------
 
-  // Writes 2 consecutive elements (col, col+1) of packed row pr, and its lse when lse_writer.
-  __device__ __forceinline__ void write2(int pr, int col, float x0, float x1, float lse, bool lse_writer) const {
-    const int tok = pr / Tr::GROUP;
-    const int64_t h = static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
-    if (pslot >= 0) {
-      const int64_t row = (static_cast<int64_t>(pslot) + tok) * p.num_qo_heads + h;
-      *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.tmp_o) + row * D + col) = make_float2(x0, x1);
-      if (lse_writer) reinterpret_cast<float*>(p.tmp_lse)[row] = lse;
-    } else {
-      const int64_t t = q_begin + tok;
-      *reinterpret_cast<uint32_t*>(reinterpret_cast<TO*>(p.o) + t * p.o_stride_n + h * p.o_stride_h + col) =
-          pack2<TO>(x0, x1);
-      if (lse_writer && p.lse != 0) reinterpret_cast<float*>(p.lse)[t * p.num_qo_heads + h] = lse;
-    }
+  // Output row of packed row pr: token q_begin + pr / GROUP, query head kv_head * GROUP + pr % GROUP.
+  __device__ __forceinline__ int64_t out_head(int pr) const {
+    return static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
+  }
+
+  // 2 consecutive fp32 elements (col, col+1) of packed row pr's partial state, and its lse when lse_writer.
+  __device__ __forceinline__ void write_partial2(int pr, int col, float x0, float x1, float lse, bool lse_writer) const {
+    const int64_t row = (static_cast<int64_t>(pslot) + pr / Tr::GROUP) * p.num_qo_heads + out_head(pr);
+    *reinterpret_cast<float2*>(reinterpret_cast<float*>(p.tmp_o) + row * D + col) = make_float2(x0, x1);
+    if (lse_writer) reinterpret_cast<float*>(p.tmp_lse)[row] = lse;
+  }
+
+  __device__ __forceinline__ void write_lse(int pr, float lse) const {
+    if (p.lse != 0) reinterpret_cast<float*>(p.lse)[(q_begin + pr / Tr::GROUP) * p.num_qo_heads + out_head(pr)] = lse;
+  }
+
+  // 8 consecutive output elements (16 bytes) of packed row pr.
+  __device__ __forceinline__ void write_out8(int pr, int chunk, const float* x) const {
+    store8<TO>(reinterpret_cast<TO*>(p.o) + (q_begin + pr / Tr::GROUP) * p.o_stride_n + out_head(pr) * p.o_stride_h +
+                   chunk * 8,
+               x);
   }
 
   __device__ __forceinline__ void finish(WarpState<Tr>& st) {
@@ -353,20 +368,43 @@ struct AttentionCTA {
         st.d[mq][r] += __shfl_xor_sync(0xffffffffu, st.d[mq][r], 2);
       }
     if constexpr (Tr::NUM_WARPS_KV == 1) {
+      // normalize in registers; a partial goes straight to the workspace, an output is staged through this
+      // warp's rows of the (now free) Q tile so that it leaves in coalesced 16-byte stores
+      uint8_t* stage = q_smem();
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
-          if (pr >= rows_total) continue;
+          const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          const int pr = packed_row0 + row;
           const float dd = st.d[mq][r];
           const float inv = dd > 0.f ? 1.f / dd : 0.f;
           const float lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
 #pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt)
-            write2(pr, dt * 8 + 2 * (lane % 4), st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv, lse,
-                   dt == 0 && lane % 4 == 0);
+          for (int dt = 0; dt < D / 8; ++dt) {
+            const float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
+            if (pslot >= 0) {
+              if (pr < rows_total) write_partial2(pr, dt * 8 + 2 * (lane % 4), x0, x1, lse, dt == 0 && lane % 4 == 0);
+            } else {
+              *reinterpret_cast<uint32_t*>(stage + swizzle<CHUNKS>(row, dt) + 4 * (lane % 4)) = pack2<TO>(x0, x1);
+            }
+          }
+          if (pslot < 0 && lane % 4 == 0 && pr < rows_total) write_lse(pr, lse);
         }
+      if (pslot < 0) {
+        __syncwarp();
+        constexpr int PER_WARP = Tr::WARP_ROWS * CHUNKS;
+#pragma unroll
+        for (int i = lane; i < PER_WARP; i += 32) {
+          const int row = warp_q * Tr::WARP_ROWS + i / CHUNKS, c = i % CHUNKS;
+          const int pr = packed_row0 + row;
+          if (pr < rows_total) {
+            const uint4 v = *reinterpret_cast<const uint4*>(stage + swizzle<CHUNKS>(row, c));
+            *reinterpret_cast<uint4*>(reinterpret_cast<TO*>(p.o) + (q_begin + pr / Tr::GROUP) * p.o_stride_n +
+                                      out_head(pr) * p.o_stride_h + c * 8) = v;
+          }
+        }
+      }
     } else {
       // each warp holds a disjoint kv slice of the same rows: publish normalized states, then merge
       float* so = reinterpret_cast<float*>(smem + Tr::Q_SMEM);
@@ -400,8 +438,90 @@ struct AttentionCTA {
               x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
             },
             out);
+        if (pslot >= 0) {
 #pragma unroll
-        for (int e = 0; e < 8; e += 2) write2(pr, c * 8 + e, out[e], out[e + 1], lse, c == 0 && e == 0);
+          for (int e = 0; e < 8; e += 2) write_partial2(pr, c * 8 + e, out[e], out[e + 1], lse, c == 0 && e == 0);
+        } else {
+          write_out8(pr, c, out);
+          if (c == 0) write_lse(pr, lse);
+        }
+      }
+    }
+  }
+
+  // ---- split groups: the last CTA to finish merges the group's partial states ----------------------------
+
+  // Returns true in every thread of the CTA that finished its group last (all partials are then visible).
+  __device__ __forceinline__ bool last_of_group() const {
+    __shared__ int last;
+    __threadfence();  // this CTA's partial writes, visible device-wide before the ticket
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int* counter = reinterpret_cast<int*>(p.merge_counters) + static_cast<int64_t>(group) * gridDim.y + kv_head;
+      last = atomicAdd(counter, 1) == nchunks - 1;
+      if (last) *counter = 0;  // every chunk has taken its ticket: reset for the next run (graph replay)
+    }
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+  }
+
+  // Merge the nchunks partial states of every row of this (request, q tile, kv head) and write the output.
+  // Threads are split into SUB-lane teams per (row, 16-byte chunk) item, each lane folding every SUB-th state
+  // online (one pass, loads independent), then the team combines by shuffles.
+  __device__ __forceinline__ void merge_group() const {
+    const int rows = min(Tr::CTA_Q, rows_total - packed_row0);
+    const int items = rows * CHUNKS;
+    int sub = 1;  // lanes per item: a power of two <= 32 that keeps every thread busy
+    while (sub < 32 && items * sub * 2 <= Tr::NUM_THREADS) sub *= 2;
+    const float* tmp_o = reinterpret_cast<const float*>(p.tmp_o);
+    const float* tmp_lse = reinterpret_cast<const float*>(p.tmp_lse);
+    const int teams = Tr::NUM_THREADS / sub;
+    const int my_sub = threadIdx.x % sub;
+    for (int base = 0; base < items; base += teams) {  // uniform trip count: shuffles below are warp-wide
+      const int item = base + static_cast<int>(threadIdx.x) / sub;
+      const bool active = item < items;
+      const int pr = packed_row0 + (active ? item / CHUNKS : 0);
+      const int c = active ? item % CHUNKS : 0;
+      const int64_t head = out_head(pr);
+      const int64_t tok = pr / Tr::GROUP;
+      float m = neg_inf(), z = 0.f, acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      if (active) {
+#pragma unroll 4
+        for (int k = my_sub; k < nchunks; k += sub) {
+          const int64_t row = (static_cast<int64_t>(pslot0) + static_cast<int64_t>(k) * qo_len + tok) * p.num_qo_heads + head;
+          const float l = __ldcg(tmp_lse + row);
+          const float4 lo = __ldcg(reinterpret_cast<const float4*>(tmp_o + row * D + c * 8));
+          const float4 hi = __ldcg(reinterpret_cast<const float4*>(tmp_o + row * D + c * 8 + 4));
+          if (l == neg_inf()) continue;
+          const float m_new = fmaxf(m, l);
+          const float a = fast_exp2(m - m_new), w = fast_exp2(l - m_new);
+          const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + w * x[e];
+          z = z * a + w;
+          m = m_new;
+        }
+      }
+      for (int off = 1; off < sub; off *= 2) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
+        const float z2 = __shfl_xor_sync(0xffffffffu, z, off);
+        const float m_new = fmaxf(m, m2);
+        const float m_safe = m_new == neg_inf() ? 0.f : m_new;
+        const float a = fast_exp2(m - m_safe), b = fast_exp2(m2 - m_safe);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + __shfl_xor_sync(0xffffffffu, acc[e], off) * b;
+        z = z * a + z2 * b;
+        m = m_new;
+      }
+      if (active && my_sub == 0) {
+        const float inv = z > 0.f ? 1.f / z : 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] *= inv;
+        write_out8(pr, c, acc);
+        if (c == 0) write_lse(pr, z > 0.f ? m + fast_log2(z) : neg_inf());
       }
     }
   }
@@ -446,6 +566,7 @@ struct AttentionCTA {
     cp_async_wait<0>();
     __syncthreads();
     finish(st);
+    if (nchunks > 1 && last_of_group()) merge_group();
   }
 };
 
@@ -453,43 +574,11 @@ template <typename Tr, typename P>
 __device__ __forceinline__ void attention_body(const P& p) {
   extern __shared__ __align__(128) uint8_t smem[];
   AttentionCTA<Tr, P> cta(p, smem);
-  const int num_work = *reinterpret_cast<const int32_t*>(p.work_count);
+  const int num_work = *reinterpret_cast<const int32_t*>(p.work_count);  // device-side: graphs replay any plan
   const float scale2 = static_cast<float>(p.sm_scale_log2);
   for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
     cta.run_item(w, scale2);
     __syncthreads();  // shared memory is reused by the next item
-  }
-}
-
-// Merges the fp32 partial states of split requests. Merge row i: output token row_tok[i] has row_count[i]
-// partials at slots row_slot[i] + c * row_stride[i]; each slot holds [H_q] lse and [H_q, D] o.
-template <typename TO, int HEAD_DIM, typename P>
-__device__ __forceinline__ void merge_partials_body(const P& p) {
-  constexpr int CHUNKS = HEAD_DIM / 8;
-  const int total = *reinterpret_cast<const int32_t*>(p.merge_count_total);
-  const float* tmp_o = reinterpret_cast<const float*>(p.tmp_o);
-  const float* tmp_lse = reinterpret_cast<const float*>(p.tmp_lse);
-  for (int i = blockIdx.x; i < total; i += gridDim.x) {
-    const int64_t tok = reinterpret_cast<const int32_t*>(p.merge_tok)[i];
-    const int64_t slot = reinterpret_cast<const int32_t*>(p.merge_slot)[i];
-    const int64_t stride = reinterpret_cast<const int32_t*>(p.merge_stride)[i];
-    const int64_t n = reinterpret_cast<const int32_t*>(p.merge_num)[i];
-    for (int v = threadIdx.x; v < p.num_qo_heads * CHUNKS; v += blockDim.x) {
-      const int64_t h = v / CHUNKS;
-      const int c = v % CHUNKS;
-      float out[8];
-      const float lse = merge_n(
-          n, [&](int64_t k) { return tmp_lse[(slot + k * stride) * p.num_qo_heads + h]; },
-          [&](int64_t k, float* x) {
-            const float4* src =
-                reinterpret_cast<const float4*>(tmp_o + ((slot + k * stride) * p.num_qo_heads + h) * HEAD_DIM + c * 8);
-            const float4 lo = src[0], hi = src[1];
-            x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
-          },
-          out);
-      store8<TO>(reinterpret_cast<TO*>(p.o) + tok * p.o_stride_n + h * p.o_stride_h + c * 8, out);
-      if (c == 0 && p.lse != 0) reinterpret_cast<float*>(p.lse)[tok * p.num_qo_heads + h] = lse;
-    }
   }
 }
 

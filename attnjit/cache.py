@@ -29,7 +29,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 import warnings
@@ -366,10 +365,13 @@ class Cache:
 
     def _build_locked(self, jobs: list[Job], parallel: int | None, say: Callable[[str], None]) -> list[BuildResult]:
         """Build jobs whose key locks we hold, through one ninja run, and publish each success atomically."""
-        bdir = Path(tempfile.mkdtemp(prefix="build-", dir=self.root / ".tmp"))
+        # Take the temp dir's lock before the dir exists: another process's _clean_stale_builds removes any
+        # build-* dir whose lock is free, so a dir created before its lock could vanish under us.
+        bdir = self.root / ".tmp" / f"build-{uuid.uuid4().hex[:16]}"
         blk = FileLock(str(bdir) + ".lock")
         blk.acquire()
         try:
+            bdir.mkdir(mode=0o700)
             return self._run_ninja(bdir, jobs, parallel, say)
         finally:
             shutil.rmtree(bdir, ignore_errors=True)

@@ -155,7 +155,7 @@ class Module:
             self.kernels: dict[str, Kernel] = {}
             for name, info in render(self.spec).kernels.items():
                 fn = self.raw.get_function(name).kernel  # cupy.cuda.Function, loaded on this device
-                if info.smem > 48 * 1024:
+                if info.smem:  # static shared memory counts too: always raise the dynamic limit to what we use
                     cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       info.smem)
                 self.kernels[name] = Kernel(self, info, fn)

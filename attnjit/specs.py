@@ -52,6 +52,11 @@ class SpecError(ValueError):
         super().__init__(f"AttentionSpec.{field}={value!r} is not supported: {allowed}")
 
 
+def _dtype_key(value: Any) -> Any:
+    """The canonical name of a dtype alias, or the value itself (so validation reports it) when unknown."""
+    return _DTYPE_ALIASES.get(str(value).strip().lower(), value)
+
+
 def canonical_dtype(value: Any, field: str) -> str:
     key = str(value).strip().lower() if value is not None else None
     if key not in _DTYPE_ALIASES:
@@ -96,7 +101,7 @@ class AttentionSpec:
         if dtype is not None:
             for name in ("dtype_q", "dtype_kv", "dtype_o"):
                 if name in used:
-                    if getattr(self, name) not in (None, dtype):
+                    if getattr(self, name) is not None and _dtype_key(getattr(self, name)) != _dtype_key(dtype):
                         raise SpecError(name, getattr(self, name), f"conflicts with dtype={dtype!r}")
                     set_(name, dtype)
         # fill defaults for the op
@@ -266,6 +271,8 @@ def load_catalog(path: str | Path, *, arch: str | None = None) -> list[Attention
     allowed = {f.name for f in fields(AttentionSpec)} | {"head_dim", "dtype"}
     specs: list[AttentionSpec] = []
     for t, table in enumerate(tables):
+        if not isinstance(table, dict):
+            raise CatalogError(path, t, None, f"expected a [[spec]] table, got {table!r}")
         for key, value in table.items():
             if key not in allowed:
                 raise CatalogError(path, t, key, f"unknown field; known fields: {', '.join(sorted(allowed))}")

@@ -1,0 +1,96 @@
+"""Shared pieces of the CPU suite: the small specs it compiles, CLI runner, nvcc wrapper scripts, tree snapshots.
+
+Everything that compiles goes into temporary cache roots; nothing here reads or writes ~/.cache.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from attnjit.specs import AttentionSpec
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = Path(__file__).resolve().parent / "data"
+
+# The specs the session's prebuilt cache holds: cheap to compile (1-3 s each), one of every module shape the
+# cache needs (two templates, a module with two attention tiles).
+MERGE_FP16 = AttentionSpec(op="merge_state", head_dim=64, dtype="fp16")
+MERGE_BF16 = AttentionSpec(op="merge_state", head_dim=64, dtype="bf16")
+APPEND_FP16 = AttentionSpec(op="append_kv", head_dim=64, page_size=16, dtype="fp16")
+PREFILL_D64 = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", mask="causal", group_size=1)
+GOLDEN_SPECS = (MERGE_FP16, MERGE_BF16, APPEND_FP16, PREFILL_D64)
+
+
+@dataclass(frozen=True)
+class Golden:
+    """A cache root built once per session. Tests never touch it: they ``copy()`` it and change the copy."""
+
+    root: Path
+    specs: tuple[AttentionSpec, ...]
+    keys: tuple[str, ...]
+
+    def copy(self, dest: Path) -> Path:
+        shutil.copytree(self.root, dest, symlinks=True)  # copystat keeps the 0700 modes
+        return dest
+
+    def key(self, spec: AttentionSpec) -> str:
+        return self.keys[self.specs.index(spec)]
+
+
+def entry_dir(root: Path, key: str) -> Path:
+    return root / key[:2] / key
+
+
+def run_cli(*args: str | os.PathLike, env: dict[str, str] | None = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m attnjit.cli ARGS`` in a subprocess with the (test-isolated) environment."""
+    return subprocess.run([sys.executable, "-m", "attnjit.cli", *map(str, args)], capture_output=True, text=True,
+                          env=env if env is not None else dict(os.environ), cwd=REPO, timeout=timeout)
+
+
+def write_script(path: Path, body: str) -> Path:
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def nvcc_wrapper(path: Path, real_nvcc: Path, *, before_compile: str = "", version_suffix: str | None = None) -> Path:
+    """A stand-in for nvcc: ``--version`` answers like the real one (plus ``version_suffix``), a compile runs
+    ``before_compile`` and then the real nvcc. The version text is part of the cache key."""
+    if version_suffix is None:
+        version = f'exec "{real_nvcc}" "$@"'
+    else:
+        version = f'"{real_nvcc}" --version; echo "{version_suffix}"; exit 0'
+    return write_script(path, f"""case " $* " in
+  *" --version "*) {version} ;;
+esac
+{before_compile}
+exec "{real_nvcc}" "$@"
+""")
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
+    """(mode, size, mtime_ns) of every path under root: equal snapshots mean nothing was written."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        out[str(p.relative_to(root))] = (stat.S_IMODE(st.st_mode), st.st_size if p.is_file() else 0, st.st_mtime_ns)
+    st = root.lstat()
+    out["."] = (stat.S_IMODE(st.st_mode), 0, st.st_mtime_ns)
+    return out
+
+
+def parse_summary(stdout: str) -> tuple[int, int, int, int]:
+    """(specs, built, cached, failed) from warm's last line ``N specs: B built, C cached, F failed (X s)``."""
+    import re
+
+    line = stdout.strip().splitlines()[-1]
+    m = re.fullmatch(r"(\d+) specs: (\d+) built, (\d+) cached, (\d+) failed \((\d+\.\d) s\)", line)
+    assert m, f"warm summary line has the wrong format: {line!r}"
+    return tuple(int(g) for g in m.groups()[:4])  # type: ignore[return-value]

@@ -161,6 +161,7 @@ class Tile:
     """One attention kernel instance's tiling; mirrors ``AttentionTraits`` (the template static_asserts it)."""
 
     head_dim: int
+    page_size: int  # 0 for ragged KV (no page ids to stage)
     warps_q: int
     warps_kv: int
     mma_q: int
@@ -185,7 +186,9 @@ class Tile:
         d = self.head_dim
         pipe = 2 * self.stages * self.cta_kv * d * 2
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
-        return self.cta_q * d * 2 + max(pipe, merge)
+        pages_per_tile = (self.cta_kv // self.page_size if self.cta_kv > self.page_size else 1) if self.page_size else 0
+        page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
+        return self.cta_q * d * 2 + page_smem + max(pipe, merge)
 
     @property
     def name(self) -> str:
@@ -196,29 +199,34 @@ class Tile:
         return f"attnjit_attention_{self.name}"
 
 
-def _narrow_tile(head_dim: int, group_size: int) -> Tile:
+def _narrow_tile(head_dim: int, page_size: int, group_size: int) -> Tile:
     """Few packed rows (decode; prefill of 1-2 tokens): warps split the KV tile, one row block per group."""
     rows = -(-group_size // 16) * 16
     stages = {64: 4, 128: 3, 256: 2}[head_dim]
     min_blocks = 1 if head_dim == 256 else 2
     if rows <= 32:
-        return Tile(head_dim, warps_q=1, warps_kv=4, mma_q=rows // 16, mma_kv=1, stages=stages, min_blocks=min_blocks)
-    return Tile(head_dim, warps_q=rows // 16, warps_kv=1, mma_q=1, mma_kv=4, stages=2, min_blocks=min_blocks)
+        return Tile(head_dim, page_size, warps_q=1, warps_kv=4, mma_q=rows // 16, mma_kv=1, stages=stages,
+                    min_blocks=min_blocks)
+    return Tile(head_dim, page_size, warps_q=rows // 16, warps_kv=1, mma_q=1, mma_kv=4, stages=2,
+                min_blocks=min_blocks)
 
 
-def _wide_tile(head_dim: int) -> Tile:
+def _wide_tile(head_dim: int, page_size: int) -> Tile:
     """Many packed rows (prefill): warps split the q rows, each warp sweeps the whole KV tile."""
     if head_dim == 256:
-        return Tile(head_dim, warps_q=4, warps_kv=1, mma_q=1, mma_kv=2, stages=2, min_blocks=1)
-    return Tile(head_dim, warps_q=4, warps_kv=1, mma_q=2, mma_kv=4, stages=2, min_blocks=2 if head_dim == 64 else 1)
+        return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=1, mma_kv=2, stages=2, min_blocks=1)
+    return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=2, mma_kv=4, stages=2,
+                min_blocks=2 if head_dim == 64 else 1)
 
 
 def tiles_for(spec: AttentionSpec) -> tuple[Tile, ...]:
     """Kernel instances a spec's module holds, narrowest first. plan() picks one per batch."""
+    page_size = spec.page_size or 0
     if spec.op == "decode":
-        return (_narrow_tile(spec.head_dim_qk, spec.group_size),)
+        return (_narrow_tile(spec.head_dim_qk, page_size, spec.group_size),)
     if spec.op == "prefill":
-        narrow, wide = _narrow_tile(spec.head_dim_qk, spec.group_size), _wide_tile(spec.head_dim_qk)
+        narrow = _narrow_tile(spec.head_dim_qk, page_size, spec.group_size)
+        wide = _wide_tile(spec.head_dim_qk, page_size)
         return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
     return ()
 

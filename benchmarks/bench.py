@@ -162,8 +162,8 @@ def sweep_prefill(rows) -> list[dict]:
     out = []
     try:
         for v in SWEEP:
-            tile = generator.Tile(D, *v)
-            generator._wide_tile = lambda hd, tile=tile: tile
+            tile = generator.Tile(D, PS, *v)
+            generator._wide_tile = lambda hd, ps, tile=tile: tile
             generator.render.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []

@@ -19,7 +19,9 @@
 // Inner loop (per warp): S = Q K^T with mma.sync m16n8k16 (A = Q rows from shared memory via ldmatrix, B = K
 // rows via ldmatrix), mask only on boundary/diagonal tiles, online softmax in registers, O += P V (A = P
 // re-packed from the S accumulators, B = V via ldmatrix.trans). K/V tiles arrive through a NUM_STAGES-deep
-// cp.async pipeline; the page ids of the tile after next are fetched into registers while a tile computes.
+// cp.async pipeline; page ids are staged in shared memory by cp.async 2*NUM_STAGES-2 tiles ahead of the copy
+// that needs them, so no thread ever waits on a page-table load in the loop. Shared-memory addresses are
+// precomputed per lane (see q_row_off), so an ldmatrix costs one integer op.
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/merge_state.cuh"
@@ -52,13 +54,18 @@ struct AttentionTraits {
   static constexpr int CTA_Q = NUM_WARPS_Q * WARP_ROWS;    // packed rows per work item
   static constexpr int CTA_KV = NUM_WARPS_KV * WARP_COLS;  // kv tokens per pipeline stage
   static constexpr int CHUNKS = HEAD_DIM / 8;              // 16-byte chunks per row
+  static constexpr int ROW_BYTES = HEAD_DIM * 2;           // one row of a Q/K/V tile in shared memory
+  // page ids of a KV tile, staged in shared memory by cp.async several tiles ahead of their use
+  static constexpr int PAGES_PER_TILE = PAGED ? (CTA_KV > PAGE_SIZE ? CTA_KV / PAGE_SIZE : 1) : 0;
+  static constexpr int PAGE_RING = 2 * NUM_STAGES;         // tiles whose page ids are resident
+  static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
   static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
   static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, one stage
   static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_TILE_SMEM;
   // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
   // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
   static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
-  static constexpr int SMEM_BYTES = Q_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
+  static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
   static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / CHUNKS;  // kv rows one pass of cp.async covers
   static constexpr int KV_PASSES = CTA_KV / KV_ROWS_PER_PASS;
   static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
@@ -69,6 +76,8 @@ struct AttentionTraits {
   static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
   static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
   static_assert(GROUP >= 1, "group size must be positive");
+  static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
+  static_assert(PAGES_PER_TILE <= NUM_THREADS, "one thread per staged page id");
 };
 
 // Thread-local accumulators of one warp: NUM_MMA_Q row blocks of 16 rows; each thread holds rows
@@ -115,14 +124,26 @@ struct AttentionCTA {
         lane(threadIdx.x % 32),
         warp_q((threadIdx.x / 32) % Tr::NUM_WARPS_Q),
         warp_kv((threadIdx.x / 32) / Tr::NUM_WARPS_Q),
-        kv_head(blockIdx.y) {}
+        kv_head(blockIdx.y) {
+    const uint32_t x = lane & 7;
+    q_row_off = (warp_q * Tr::WARP_ROWS + lane % 16) * Tr::ROW_BYTES;
+    k_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + (lane / 16) * 8) * Tr::ROW_BYTES;
+    v_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::ROW_BYTES;
+    yq16 = ((lane / 16) ^ x) << 4;
+    yk16 = (((lane / 8) % 2) ^ x) << 4;
+  }
+
+  // per-thread byte offsets of the rows this lane addresses with ldmatrix, and the XOR term of its chunk
+  // (swizzle(row, chunk) = row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), and every such row has row & 7 == lane & 7,
+  // so chunk 2 * j + h maps to ((j << 5) ^ y16) with y16 = (h ^ (lane & 7)) << 4)
+  uint32_t q_row_off, k_row_off, v_row_off, yq16, yk16;
 
   __device__ __forceinline__ uint8_t* q_smem() const { return smem; }
-  __device__ __forceinline__ uint8_t* k_smem(int stage) const {
-    return smem + Tr::Q_SMEM + stage * Tr::KV_TILE_SMEM;
-  }
+  __device__ __forceinline__ int32_t* page_smem() const { return reinterpret_cast<int32_t*>(smem + Tr::Q_SMEM); }
+  __device__ __forceinline__ uint8_t* pipe_smem() const { return smem + Tr::Q_SMEM + Tr::PAGE_SMEM; }
+  __device__ __forceinline__ uint8_t* k_smem(int stage) const { return pipe_smem() + stage * Tr::KV_TILE_SMEM; }
   __device__ __forceinline__ uint8_t* v_smem(int stage) const {
-    return smem + Tr::Q_SMEM + (Tr::NUM_STAGES + stage) * Tr::KV_TILE_SMEM;
+    return pipe_smem() + (Tr::NUM_STAGES + stage) * Tr::KV_TILE_SMEM;
   }
 
   __device__ __forceinline__ bool setup(int w) {
@@ -175,38 +196,50 @@ struct AttentionCTA {
     return static_cast<int>(threadIdx.x) / CHUNKS + pass * Tr::KV_ROWS_PER_PASS;
   }
 
-  // Page ids (paged) of this thread's rows of tile `tile`, fetched ahead of the copy that uses them.
-  __device__ __forceinline__ void fetch_pages(int tile, int32_t (&page)[Tr::KV_PASSES]) const {
+  // Stage the page ids of tile `tile` into its ring slot (cp.async, joins the caller's commit group).
+  __device__ __forceinline__ void stage_pages(int tile) const {
     if constexpr (Tr::PAGED) {
-      const int32_t* indices = reinterpret_cast<const int32_t*>(p.kv_indices);
-      const int kv0 = kv_begin + tile * Tr::CTA_KV;
-#pragma unroll
-      for (int s = 0; s < Tr::KV_PASSES; ++s) {
-        const int j = kv0 + kv_row(s);
-        page[s] = j < kv_stop ? indices[kv_base + (j >> Tr::PAGE_SHIFT)] : 0;
+      if (threadIdx.x < Tr::PAGES_PER_TILE) {
+        const int kv0 = kv_begin + tile * Tr::CTA_KV;
+        const int k = static_cast<int>(threadIdx.x);
+        const bool valid = kv0 + k * Tr::PAGE_SIZE < kv_stop;
+        const int32_t* src = reinterpret_cast<const int32_t*>(p.kv_indices) + kv_base + (kv0 >> Tr::PAGE_SHIFT) + k;
+        const uint32_t dst = smem_u32(page_smem() + (tile % Tr::PAGE_RING) * Tr::PAGES_PER_TILE + k);
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst),
+                     "l"(valid ? src : reinterpret_cast<const int32_t*>(p.kv_indices)), "r"(valid ? 4 : 0));
       }
     }
   }
 
-  __device__ __forceinline__ void issue_kv(int tile, int stage, const int32_t (&page)[Tr::KV_PASSES]) const {
+  // Copy K and V rows of tile `tile` into pipeline stage `stage` (its page ids must be resident).
+  __device__ __forceinline__ void issue_kv(int tile, int stage) const {
     const T* k = reinterpret_cast<const T*>(p.k);
     const T* v = reinterpret_cast<const T*>(p.v);
     const int kv0 = kv_begin + tile * Tr::CTA_KV;
     const int c = threadIdx.x % CHUNKS;
+    const int r0 = static_cast<int>(threadIdx.x) / CHUNKS;
+    const uint32_t dst0 = r0 * Tr::ROW_BYTES + ((c ^ (r0 & 7)) << 4);
     const uint32_t ks = smem_u32(k_smem(stage)), vs = smem_u32(v_smem(stage));
+    const int32_t* pages = page_smem() + (tile % Tr::PAGE_RING) * Tr::PAGES_PER_TILE;
 #pragma unroll
     for (int s = 0; s < Tr::KV_PASSES; ++s) {
-      const int r = kv_row(s);
+      const int r = r0 + s * Tr::KV_ROWS_PER_PASS;
       const int j = kv0 + r;
       const bool valid = j < kv_stop;
       int64_t off;
       if constexpr (Tr::PAGED) {
-        off = paged_offset<Tr::HND, D>(page[s], j & (Tr::PAGE_SIZE - 1), kv_head, p.kv_stride_0, p.kv_stride_1);
+        const int page = pages[(j >> Tr::PAGE_SHIFT) - (kv0 >> Tr::PAGE_SHIFT)];
+        off = paged_offset<Tr::HND, D>(page, j & (Tr::PAGE_SIZE - 1), kv_head, p.kv_stride_0, p.kv_stride_1);
       } else {
         off = (kv_base + j) * p.kv_stride_0 + static_cast<int64_t>(kv_head) * p.kv_stride_1;
       }
       off = valid ? off + c * 8 : 0;
-      const uint32_t dst = swizzle<CHUNKS>(r, c);
+      uint32_t dst;
+      if constexpr (Tr::KV_ROWS_PER_PASS % 8 == 0) {
+        dst = dst0 + s * Tr::KV_ROWS_PER_PASS * Tr::ROW_BYTES;
+      } else {
+        dst = swizzle<CHUNKS>(r, c);
+      }
       cp_async_16(ks + dst, k + off, valid);
       cp_async_16(vs + dst, v + off, valid);
     }
@@ -215,8 +248,7 @@ struct AttentionCTA {
   // ---- compute one tile -----------------------------------------------------------------------------------
 
   __device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], int mq, int kd) const {
-    const int row = warp_q * Tr::WARP_ROWS + mq * 16 + (lane % 16);
-    ldmatrix_x4(a, smem_u32(q_smem()) + swizzle<CHUNKS>(row, kd * 2 + lane / 16));
+    ldmatrix_x4(a, smem_u32(q_smem()) + q_row_off + mq * 16 * Tr::ROW_BYTES + ((kd << 5) ^ yq16));
   }
 
   __device__ __forceinline__ void compute_tile(int tile, int stage, WarpState<Tr>& st,
@@ -245,11 +277,11 @@ struct AttentionCTA {
           load_q_frag(a[mq], mq, kd);
         }
       }
+      const uint32_t k_addr = ks + k_row_off + ((kd << 5) ^ yk16);
 #pragma unroll
       for (int mkv = 0; mkv < Tr::NUM_MMA_KV; ++mkv) {
         uint32_t b[4];
-        const int row = warp_kv * Tr::WARP_COLS + mkv * 16 + (lane % 8) + (lane / 16) * 8;
-        ldmatrix_x4(b, ks + swizzle<CHUNKS>(row, kd * 2 + (lane / 8) % 2));
+        ldmatrix_x4(b, k_addr + mkv * 16 * Tr::ROW_BYTES);
 #pragma unroll
         for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
           mma_16816<T>(s[mq][2 * mkv], a[mq], b);
@@ -278,7 +310,9 @@ struct AttentionCTA {
           }
     }
 
-    // online softmax
+    // online softmax; O is rescaled only when some row's max moved (warp-uniform vote)
+    float alpha[Tr::NUM_MMA_Q][2];
+    bool moved = false;
 #pragma unroll
     for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
@@ -290,7 +324,8 @@ struct AttentionCTA {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         const float m_safe = mx == neg_inf() ? 0.f : mx;
-        const float alpha = fast_exp2(st.m[mq][r] - m_safe);
+        alpha[mq][r] = fast_exp2(st.m[mq][r] - m_safe);
+        moved |= mx != st.m[mq][r];
         st.m[mq][r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -300,13 +335,19 @@ struct AttentionCTA {
             s[mq][nt][e] = fast_exp2(fmaf(s[mq][nt][e], scale2, -m_safe));
             sum += s[mq][nt][e];
           }
-        st.d[mq][r] = st.d[mq][r] * alpha + sum;
+        st.d[mq][r] = st.d[mq][r] * alpha[mq][r] + sum;
+      }
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
-          st.o[mq][dt][2 * r] *= alpha;
-          st.o[mq][dt][2 * r + 1] *= alpha;
+          st.o[mq][dt][0] *= alpha[mq][0];
+          st.o[mq][dt][1] *= alpha[mq][0];
+          st.o[mq][dt][2] *= alpha[mq][1];
+          st.o[mq][dt][3] *= alpha[mq][1];
         }
-      }
+    }
 
     // O += P V
     const uint32_t vs = smem_u32(v_smem(stage));
@@ -320,11 +361,11 @@ struct AttentionCTA {
         a[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
         a[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
       }
-      const int row = warp_kv * Tr::WARP_COLS + kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+      const uint32_t v_addr = vs + v_row_off + kk * 16 * Tr::ROW_BYTES;
 #pragma unroll
       for (int dt2 = 0; dt2 < D / 16; ++dt2) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, vs + swizzle<CHUNKS>(row, dt2 * 2 + lane / 16));
+        ldmatrix_x4_trans(b, v_addr + ((dt2 << 5) ^ yq16));
 #pragma unroll
         for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
           mma_16816<T>(st.o[mq][2 * dt2], a[mq], b);
@@ -530,24 +571,29 @@ struct AttentionCTA {
 
   __device__ __forceinline__ void run_item(int w, float scale2) {
     if (!setup(w)) return;
+    // commit groups, in order: page ids of tiles 0..2S-3 | Q | K/V of tiles 0..S-2 (prologue) | one per
+    // iteration i: K/V of tile i+S-1 with the page ids of tile i+2S-2, so every page id lands S-1 iterations
+    // before the copy that reads it
+    constexpr int S = Tr::NUM_STAGES;
+#pragma unroll
+    for (int t = 0; t < 2 * S - 2; ++t)
+      if (t < num_tiles) stage_pages(t);
+    cp_async_commit();
     load_q();
     cp_async_commit();
-    int32_t page[Tr::KV_PASSES];
+    cp_async_wait<1>();
+    __syncthreads();
 #pragma unroll
-    for (int s = 0; s < Tr::NUM_STAGES - 1; ++s) {
-      if (s < num_tiles) {
-        fetch_pages(s, page);
-        issue_kv(s, s, page);
-      }
+    for (int t = 0; t < S - 1; ++t) {
+      if (t < num_tiles) issue_kv(t, t);
       cp_async_commit();
     }
-    if (Tr::NUM_STAGES - 1 < num_tiles) fetch_pages(Tr::NUM_STAGES - 1, page);
 
     WarpState<Tr> st;
     st.init();
     uint32_t qf[Tr::Q_IN_REGS ? Tr::NUM_MMA_Q : 1][Tr::Q_IN_REGS ? D / 16 : 1][4];
     for (int i = 0; i < num_tiles; ++i) {
-      cp_async_wait<Tr::NUM_STAGES - 2>();
+      cp_async_wait<S - 2>();
       __syncthreads();
       if constexpr (Tr::Q_IN_REGS) {
         if (i == 0) {
@@ -557,11 +603,11 @@ struct AttentionCTA {
             for (int kd = 0; kd < D / 16; ++kd) load_q_frag(qf[mq][kd], mq, kd);
         }
       }
-      const int next = i + Tr::NUM_STAGES - 1;
-      if (next < num_tiles) issue_kv(next, next % Tr::NUM_STAGES, page);
+      const int next = i + S - 1;
+      if (next < num_tiles) issue_kv(next, next % S);
+      if (i + 2 * S - 2 < num_tiles) stage_pages(i + 2 * S - 2);
       cp_async_commit();
-      if (next + 1 < num_tiles) fetch_pages(next + 1, page);
-      compute_tile(i, i % Tr::NUM_STAGES, st, qf, scale2);
+      compute_tile(i, i % S, st, qf, scale2);
     }
     cp_async_wait<0>();
     __syncthreads();

@@ -1,0 +1,655 @@
+"""The content-addressed cache: key stability and sensitivity, atomic publication, one build per key across
+processes, crash safety, corruption, read-only roots and layers, strict mode, permissions, nvcc discovery,
+compile errors, lock timeouts, prune and clear. The ``nvcc``-marked tests compile real sm_90a kernels."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import stat
+import subprocess
+import sys
+import time
+import warnings
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from attnjit import jit
+from attnjit.cache import (CACHE_FORMAT_VERSION, BadEntryWarning, Cache, Job, compute_key)
+from attnjit.errors import (CacheMissError, CacheReadOnlyError, CompileError, LockTimeoutError, NvccNotFoundError,
+                            UnsafeCacheError)
+from attnjit.generator import Rendered
+from attnjit.specs import AttentionSpec
+from attnjit.toolchain import Nvcc, find_nvcc, flags_for, nvcc
+from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, nvcc_wrapper,
+                               parse_summary, run_cli, snapshot, write_script)
+
+KEY_INPUTS = dict(source='extern "C" __global__ void k(int *p) { *p = 1; }\n', flags=("-cubin", "-O3"),
+                  nvcc_version="Cuda compilation tools, release 13.0, V13.0.88", arch="sm_90a")
+TINY_SOURCE = 'extern "C" __global__ void attnjit_tiny(int *p) { *p = 42; }\n'
+BROKEN_SOURCE = '__global__ void k() { int x = ; }\n'
+FAKE_NVCC = Nvcc(Path("/nonexistent/nvcc"), "fake nvcc, release 0.0")  # for jobs that never reach a compiler
+
+
+def _job(source: str, *, tool: Nvcc | None = None, label: str = "job", arch: str = "sm_90a") -> Job:
+    return Job(source=source, flags=flags_for(arch), nvcc=tool or nvcc(), arch=arch, label=label, meta={})
+
+
+def _holds_no_lock(path: Path) -> bool:
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Exception:  # noqa: BLE001 (filelock.Timeout)
+        return False
+    lock.release()
+    return True
+
+
+# --- keys ---------------------------------------------------------------------------------------------------
+
+def test_key_is_a_sha256_hex_and_stable_across_processes():
+    key = compute_key(**KEY_INPUTS)
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert compute_key(**KEY_INPUTS) == key
+    script = ("import json, sys\nfrom attnjit.cache import compute_key\n"
+              "d = json.loads(sys.argv[1]); d['flags'] = tuple(d['flags'])\nprint(compute_key(**d))\n")
+    for seed in ("1", "987"):
+        out = subprocess.run([sys.executable, "-c", script, json.dumps(KEY_INPUTS)], capture_output=True, text=True,
+                             env=dict(os.environ, PYTHONHASHSEED=seed), check=True, timeout=60).stdout.strip()
+        assert out == key, f"PYTHONHASHSEED={seed} gave another key"
+
+
+CHANGES = {
+    "source byte": dict(source=KEY_INPUTS["source"].replace("*p = 1", "*p = 2")),
+    "source whitespace": dict(source=KEY_INPUTS["source"] + " "),
+    "flag added": dict(flags=KEY_INPUTS["flags"] + ("-lineinfo",)),
+    "flag changed": dict(flags=("-cubin", "-O2")),
+    "flag order": dict(flags=("-O3", "-cubin")),
+    "nvcc version": dict(nvcc_version=KEY_INPUTS["nvcc_version"].replace("V13.0.88", "V13.0.89")),
+    "arch": dict(arch="sm_100a"),
+    # fields are length-delimited: moving bytes across a boundary is a different key
+    "flag boundary": dict(flags=("-cubin-O3",)),
+    "source/version boundary": dict(nvcc_version=KEY_INPUTS["nvcc_version"] + "e",
+                                    source=KEY_INPUTS["source"][1:]),
+}
+
+
+def test_every_key_input_changes_the_key():
+    base = compute_key(**KEY_INPUTS)
+    keys = {name: compute_key(**{**KEY_INPUTS, **change}) for name, change in CHANGES.items()}
+    for name, key in keys.items():
+        assert key != base, f"changing the {name} kept the key"
+    assert len(set(keys.values())) == len(keys), "two different changes gave one key"
+
+
+def test_nothing_but_the_key_inputs_changes_the_key(tmp_path):
+    tool = Nvcc(Path("/opt/a/nvcc"), KEY_INPUTS["nvcc_version"])
+    a = Job(source=KEY_INPUTS["source"], flags=KEY_INPUTS["flags"], nvcc=tool, arch="sm_90a", label="a",
+            meta={"spec": {"op": "x"}}, context=object())
+    # another label, manifest metadata, context and nvcc location (same --version text): same key
+    b = Job(source=KEY_INPUTS["source"], flags=KEY_INPUTS["flags"], nvcc=Nvcc(Path("/opt/b/nvcc"), tool.version),
+            arch="sm_90a", label="b", meta={"note": 1}, context=None)
+    assert a.key == b.key == compute_key(**KEY_INPUTS)
+    # and the cache root only decides where the entry lives, not its name
+    assert Cache(tmp_path / "r1", layers=()).entry_dir(tmp_path / "r1", a.key).name == \
+        Cache(tmp_path / "r2", layers=()).entry_dir(tmp_path / "r2", a.key).name == a.key
+
+
+@pytest.mark.nvcc
+def test_spec_keys_are_stable_and_distinct(tmp_path, monkeypatch):
+    spec = AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)
+    key = jit.job_for(spec).key
+    assert jit.job_for(AttentionSpec.parse(spec.as_flags())).key == key
+    assert jit.job_for(AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bfloat16",
+                                     group_size=4)).key == key
+    others = [spec.replace(**c) for c in ({"group_size": 8}, {"page_size": 1}, {"dtype_q": "fp16",
+              "dtype_kv": "fp16", "dtype_o": "fp16"}, {"layout": "HND"}, {"arch": "sm_80"}, {"head_dim_qk": 64,
+              "head_dim_vo": 64})]
+    others.append(AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", group_size=4))
+    keys = [jit.job_for(s).key for s in others]
+    assert key not in keys and len(set(keys)) == len(keys)
+    # the cache root is not part of the key; a fresh process computes the same key
+    monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert jit.job_for(spec).key == key
+    script = "import sys\nfrom attnjit import jit\nfrom attnjit.specs import AttentionSpec\n" \
+             "print(jit.job_for(AttentionSpec.parse(sys.argv[1])).key)\n"
+    out = subprocess.run([sys.executable, "-c", script, spec.canonical()], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONHASHSEED="77"), check=True, timeout=60).stdout.strip()
+    assert out == key
+
+
+def test_another_nvcc_version_gives_other_keys(tmp_path, monkeypatch):
+    spec = MERGE_FP16
+    text = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88"
+    (tmp_path / "a").mkdir()
+    a = write_script(tmp_path / "a" / "nvcc", f'printf "{text}\\n"\n')
+    b = write_script(tmp_path / "b-nvcc", f'printf "{text}\\n"\n')
+    c = write_script(tmp_path / "c-nvcc", f'printf "{text}\\nBuild with a local patch\\n"\n')
+    keys = {}
+    for name, path in (("a", a), ("b", b), ("c", c)):
+        monkeypatch.setenv("ATTNJIT_NVCC", str(path))
+        job = jit.job_for(spec)
+        assert job.nvcc.path == path and job.nvcc.release == "13.0"
+        keys[name] = job.key
+    assert keys["a"] == keys["b"], "the nvcc's location changed the key (only its --version text should)"
+    assert keys["c"] != keys["a"], "another `nvcc --version` kept the key"
+
+
+@pytest.mark.nvcc
+def test_a_wrapper_that_passes_version_through_keeps_the_key(tmp_path, monkeypatch):
+    real = find_nvcc()
+    key = jit.job_for(MERGE_FP16).key
+    monkeypatch.setenv("ATTNJIT_NVCC", str(nvcc_wrapper(tmp_path / "same-nvcc", real)))
+    assert jit.job_for(MERGE_FP16).key == key
+    monkeypatch.setenv("ATTNJIT_NVCC", str(nvcc_wrapper(tmp_path / "other-nvcc", real, version_suffix="patched")))
+    assert jit.job_for(MERGE_FP16).key != key
+
+
+# --- nvcc discovery ---------------------------------------------------------------------------------------------
+
+def test_explicit_nvcc_that_does_not_exist(tmp_path, monkeypatch):
+    missing = tmp_path / "no" / "nvcc"
+    monkeypatch.setenv("ATTNJIT_NVCC", str(missing))
+    with pytest.raises(NvccNotFoundError, match=re.escape(f"ATTNJIT_NVCC={missing} (not an executable file)")):
+        find_nvcc()
+    with pytest.raises(NvccNotFoundError, match="Set ATTNJIT_NVCC"):
+        jit.ensure(MERGE_FP16, Cache(tmp_path / "cache", layers=()))
+
+
+def test_no_nvcc_anywhere_names_all_three_places(tmp_path, monkeypatch):
+    monkeypatch.delenv("ATTNJIT_NVCC", raising=False)
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    with pytest.raises(NvccNotFoundError) as info:
+        find_nvcc()
+    msg = str(info.value)
+    assert "ATTNJIT_NVCC (unset)" in msg and "CUDA_HOME unset" in msg and "nvcc on PATH (none)" in msg
+    assert info.value.tried == ["ATTNJIT_NVCC (unset)", "$CUDA_HOME/bin/nvcc (CUDA_HOME unset)",
+                                "nvcc on PATH (none)"]
+    # a CUDA_HOME without nvcc is named with the path that was tried
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "cuda"))
+    with pytest.raises(NvccNotFoundError, match=re.escape(f"$CUDA_HOME/bin/nvcc={tmp_path}/cuda/bin/nvcc (missing)")):
+        find_nvcc()
+
+
+def test_nvcc_search_order(tmp_path, monkeypatch):
+    version = 'printf "Cuda compilation tools, release 12.8, V12.8.1\\n"\n'
+    (tmp_path / "home" / "bin").mkdir(parents=True)
+    (tmp_path / "path").mkdir()
+    home_nvcc = write_script(tmp_path / "home" / "bin" / "nvcc", version)
+    path_nvcc = write_script(tmp_path / "path" / "nvcc", version)
+    explicit = write_script(tmp_path / "explicit-nvcc", version)
+    monkeypatch.setenv("PATH", str(tmp_path / "path"))
+    monkeypatch.delenv("CUDA_HOME", raising=False)
+    monkeypatch.delenv("ATTNJIT_NVCC", raising=False)
+    assert find_nvcc() == path_nvcc
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
+    assert find_nvcc() == home_nvcc
+    monkeypatch.setenv("ATTNJIT_NVCC", str(explicit))
+    assert find_nvcc() == explicit
+    assert nvcc().release == "12.8"
+
+
+# --- a real build ---------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_build_publishes_a_complete_private_entry(tmp_path):
+    root = tmp_path / "cache"
+    cache = Cache(root, layers=())
+    job = jit.job_for(MERGE_FP16)
+    t0 = datetime.now(timezone.utc)
+    (result,) = cache.build([job])
+    assert result.status == "built", result.error
+    key = job.key
+    d = entry_dir(root, key)
+    assert result.entry.dir == d and result.entry.layer == root and result.entry.key == key
+    assert sorted(p.name for p in d.iterdir()) == ["build.log", "kernel.cu", "kernel.cubin", "manifest.json"]
+    assert (d / "kernel.cu").read_text() == job.source
+    cubin = (d / "kernel.cubin").read_bytes()
+    assert cubin[:4] == b"\x7fELF", "kernel.cubin is not an ELF cubin"
+    m = json.loads((d / "manifest.json").read_text())
+    assert m["key"] == key and m["format"] == CACHE_FORMAT_VERSION
+    assert AttentionSpec.from_dict(m["meta"]["spec"]) == MERGE_FP16
+    assert m["key_inputs"] == {"arch": "sm_90a", "flags": list(job.flags), "nvcc_version": job.nvcc.version,
+                               "source_sha256": hashlib.sha256(job.source.encode()).hexdigest()}
+    assert compute_key(source=job.source, flags=m["key_inputs"]["flags"], nvcc_version=m["key_inputs"]["nvcc_version"],
+                       arch=m["key_inputs"]["arch"]) == key
+    assert m["cubin_sha256"] == hashlib.sha256(cubin).hexdigest() and m["cubin_bytes"] == len(cubin)
+    assert 0 < m["compile_seconds"] < 120 and result.seconds == pytest.approx(m["compile_seconds"], abs=1e-3)
+    created = datetime.fromisoformat(m["created"])
+    assert t0 - timedelta(seconds=2) <= created <= datetime.now(timezone.utc) + timedelta(seconds=2)
+    # private: the root and the entry are 0700, the files 0600
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+    assert {stat.S_IMODE(p.stat().st_mode) for p in d.iterdir()} == {0o600}
+    # nothing left behind in the temp area
+    assert list((root / ".tmp").iterdir()) == []
+
+    # the second build is a hit, and so is a lookup from another Cache and an ensure()
+    (again,) = cache.build([job])
+    assert again.status == "cached" and again.entry.dir == d and again.entry.manifest == m
+    assert Cache(root, layers=()).lookup(key).manifest == m
+    binary = jit.ensure(MERGE_FP16, Cache(root, layers=()))
+    assert binary.how == "disk" and binary.compile_ms is None and binary.entry.dir == d
+
+
+@pytest.mark.nvcc
+def test_ensure_compiles_once(tmp_path):
+    cache = Cache(tmp_path / "cache", layers=())
+    first = jit.ensure(MERGE_FP16, cache)
+    assert first.how == "built" and first.compile_ms > 0
+    for _ in range(3):
+        again = jit.ensure(MERGE_FP16, cache)
+        assert again.how == "disk" and again.entry.dir == first.entry.dir
+    # the same job listed twice in one build is one compile
+    results = cache.build([jit.job_for(MERGE_BF16), jit.job_for(MERGE_BF16)])
+    assert [r.status for r in results] == ["built", "built"] and results[0] is results[1]
+
+
+@pytest.mark.nvcc
+def test_one_failing_job_does_not_stop_the_others(tmp_path):
+    root = tmp_path / "cache"
+    good, bad = _job(TINY_SOURCE, label="tiny"), _job(BROKEN_SOURCE, label="broken")
+    results = Cache(root, layers=()).build([good, bad])
+    assert [r.status for r in results] == ["built", "failed"]
+    ok, failed = results
+    assert (ok.entry.dir / "kernel.cubin").is_file()
+    err = failed.error
+    assert isinstance(err, CompileError) and failed.entry is None
+    assert "error" in err.first_error and "expected an expression" in err.first_error
+    assert err.log_path == root / "failed" / bad.key / "build.log" and err.log_path.is_file()
+    assert err.first_error in err.log_path.read_text()
+    assert str(err).startswith(f"nvcc failed for broken: {err.first_error}") and str(err.log_path) in str(err)
+    assert Cache(root, layers=()).lookup(bad.key) is None
+    assert not entry_dir(root, bad.key).exists()
+
+
+@pytest.mark.nvcc
+def test_ensure_raises_the_compile_error_with_the_spec(tmp_path, monkeypatch):
+    monkeypatch.setattr(jit, "render", lambda spec: Rendered(spec=spec, source=BROKEN_SOURCE, kernels={},
+                                                              template="broken"))
+    with pytest.raises(CompileError) as info:
+        jit.ensure(MERGE_FP16, Cache(tmp_path / "cache", layers=()))
+    err = info.value
+    assert err.spec == MERGE_FP16 and MERGE_FP16.canonical() in str(err)
+    assert "error" in err.first_error and err.log_path.is_file()
+
+
+# --- concurrency and crashes ------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_concurrent_warms_build_each_key_once(tmp_path):
+    root = tmp_path / "cache"
+    specs = [MERGE_BF16, APPEND_FP16]
+    args = [a for s in specs for a in ("--spec", s.as_flags())]
+    cmd = [sys.executable, "-m", "attnjit.cli", "warm", *args, "--cache-dir", str(root)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outs]
+    summaries = [parse_summary(out) for out, _ in outs]
+    assert all(n == 2 and failed == 0 and built + cached == 2 for n, built, cached, failed in summaries)
+    assert sum(s[1] for s in summaries) == 2 and sum(s[2] for s in summaries) == 4
+    for spec in specs:
+        builders = [i for i, (_, err) in enumerate(outs) if re.search(rf"^  built {re.escape(spec.short_name())} in ",
+                                                                        err, re.M)]
+        assert len(builders) == 1, f"{spec.short_name()} was built by processes {builders}"
+    cache = Cache(root, layers=())
+    assert cache.verify() == []
+    assert sorted(key for _, key, entry, _ in cache.iter_entries() if entry) == \
+        sorted(jit.job_for(s).key for s in specs)
+
+
+@pytest.mark.nvcc
+def test_a_cleaner_racing_a_new_build_dir_cannot_remove_it(tmp_path, monkeypatch):
+    """Another process's stale-build cleanup may run the instant our temp build dir appears: the dir must
+    already be locked then (a regression test: the dir used to be created before its lock)."""
+    root = tmp_path / "cache"
+    cache = Cache(root, layers=())
+    real_mkdir = os.mkdir
+    raced = []
+
+    def mkdir_then_race(path, *args, **kwargs):
+        real_mkdir(path, *args, **kwargs)
+        p = Path(path)
+        if p.parent == root / ".tmp" and p.name.startswith("build-") and not raced:
+            raced.append(p)
+            Cache(root, layers=())._clean_stale_builds()  # what a concurrent `attnjit warm` does first
+
+    monkeypatch.setattr(os, "mkdir", mkdir_then_race)
+    (result,) = cache.build([_job(TINY_SOURCE, label="tiny")])
+    assert raced, "the build made no temp dir"
+    assert result.status == "built", result.error
+
+
+@pytest.mark.nvcc
+def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
+    root = tmp_path / "cache"
+    started = tmp_path / "nvcc-started"
+    slow = nvcc_wrapper(tmp_path / "slow-nvcc", find_nvcc(), before_compile=f': > "{started}"\nsleep 60\n')
+    spec = MERGE_FP16
+    key = jit.job_for(spec).key
+    env = dict(os.environ, ATTNJIT_NVCC=str(slow))
+    cmd = [sys.executable, "-m", "attnjit.cli", "warm", "--spec", spec.as_flags(), "--cache-dir", str(root)]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists():
+            assert proc.poll() is None, "warm exited before nvcc started"
+            assert time.monotonic() < deadline, "nvcc never started"
+            time.sleep(0.05)
+        assert list((root / ".tmp").glob(f"build-*/{key}/kernel.cu")), "no build in progress"
+        os.kill(proc.pid, signal.SIGKILL)  # the builder dies mid-compile
+        proc.wait(timeout=30)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # and its ninja/nvcc children with it (our own session)
+        except ProcessLookupError:
+            pass
+    assert not entry_dir(root, key).exists(), "a killed build published an entry"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadEntryWarning)
+        assert Cache(root, layers=()).lookup(key) is None
+    assert Cache(root, layers=()).verify() == []
+    assert _holds_no_lock(root / ".locks" / f"{key}.lock"), "the dead builder's key lock is still held"
+    stale = [p for p in (root / ".tmp").glob("build-*") if p.is_dir()]
+    assert stale, "expected the killed build's temp dir"
+
+    proc = run_cli("warm", "--spec", spec.as_flags(), "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    assert parse_summary(proc.stdout) == (1, 1, 0, 0)
+    assert list((root / ".tmp").iterdir()) == [], "the stale temp dir was not cleaned"
+    entry = Cache(root, layers=()).lookup(key)
+    assert entry is not None and entry.manifest["key"] == key
+
+
+# --- corruption -------------------------------------------------------------------------------------------
+
+def _truncate_cubin(d: Path) -> None:
+    data = (d / "kernel.cubin").read_bytes()
+    (d / "kernel.cubin").write_bytes(data[: len(data) // 2])
+
+
+def _flip_cubin_byte(d: Path) -> None:
+    data = bytearray((d / "kernel.cubin").read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (d / "kernel.cubin").write_bytes(bytes(data))
+
+
+def _delete_manifest(d: Path) -> None:
+    (d / "manifest.json").unlink()
+
+
+def _garbage_manifest(d: Path) -> None:
+    (d / "manifest.json").write_text('{"key": "0000", "format": ')
+
+
+CORRUPTIONS = [  # (spec, how, what verify says)
+    (MERGE_FP16, _truncate_cubin, "kernel.cubin sha256"),
+    (MERGE_BF16, _flip_cubin_byte, "kernel.cubin sha256"),
+    (APPEND_FP16, _delete_manifest, "manifest.json missing"),
+    (PREFILL_D64, _garbage_manifest, "manifest.json unreadable"),
+]
+
+
+@pytest.mark.nvcc
+def test_corrupt_entries_are_reported_skipped_and_rebuilt(golden, tmp_path):
+    root = golden.copy(tmp_path / "cache")
+    dirs = {}
+    for spec, corrupt, _ in CORRUPTIONS:
+        dirs[spec] = entry_dir(root, golden.key(spec))
+        corrupt(dirs[spec])
+
+    proc = run_cli("cache", "verify", "--cache-dir", root)
+    assert proc.returncode == 1
+    for spec, _, problem in CORRUPTIONS:
+        assert re.search(rf"^BAD {re.escape(str(dirs[spec]))}: {re.escape(problem)}", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "4 entries checked, 4 bad"
+
+    cache = Cache(root, layers=())
+    for spec, _, problem in CORRUPTIONS:
+        with pytest.warns(BadEntryWarning, match=re.escape(str(dirs[spec]))):
+            assert cache.lookup(golden.key(spec)) is None
+    assert [(b.dir, b.problem.startswith(problem)) for b, (_, _, problem) in zip(cache.bad_entries, CORRUPTIONS)] \
+        == [(dirs[spec], True) for spec, _, _ in CORRUPTIONS]
+
+    proc = run_cli("warm", *[a for s, _, _ in CORRUPTIONS for a in ("--spec", s.as_flags())], "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    assert parse_summary(proc.stdout) == (4, 4, 0, 0)
+    proc = run_cli("cache", "verify", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "4 entries checked, 0 bad"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BadEntryWarning)
+        for spec, _, _ in CORRUPTIONS:
+            assert Cache(root, layers=()).lookup(golden.key(spec)) is not None
+
+
+def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
+    root = tmp_path / "cache"
+    key = "ab" * 32
+    d = entry_dir(root, key)
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    digest = hashlib.sha256(b"\x7fELF").hexdigest()
+    cache = Cache(root, layers=())
+    for manifest, problem in (({"key": "cd" * 32, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest},
+                               "names another key"),
+                              ({"key": key, "format": CACHE_FORMAT_VERSION + 1, "cubin_sha256": digest},
+                               f"cache format {CACHE_FORMAT_VERSION + 1}"),
+                              (["not", "a", "dict"], "names another key")):
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        assert cache.read_entry(root, key) == (None, cache.read_entry(root, key)[1])
+        assert problem in cache.read_entry(root, key)[1]
+        with pytest.warns(BadEntryWarning):
+            assert cache.lookup(key) is None
+    (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest}))
+    assert cache.lookup(key).dir == d
+
+
+# --- read-only roots and layers -------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_read_only_root_serves_hits_and_refuses_builds(golden, tmp_path):
+    root = golden.copy(tmp_path / "ro")
+    root.chmod(0o555)
+    try:
+        before = snapshot(root)
+        cache = Cache(root, layers=())
+        assert not cache.root_writable()
+        binary = jit.ensure(MERGE_FP16, cache)
+        assert binary.how == "disk" and binary.entry.layer == root
+        assert [r.status for r in cache.build([jit.job_for(s) for s in golden.specs])] == ["cached"] * 4
+        missing = AttentionSpec(op="merge_state", head_dim=128, dtype="fp16")
+        with pytest.raises(CacheReadOnlyError) as info:
+            cache.build([jit.job_for(missing)])
+        msg = str(info.value)
+        assert f"cache root {root} is read-only; cannot build here" in msg and "ATTNJIT_CACHE_DIR" in msg
+        with pytest.raises(CacheReadOnlyError):
+            jit.ensure(missing, cache)
+        with pytest.raises(CacheReadOnlyError, match="nothing was removed"):
+            cache.clear()
+        assert snapshot(root) == before, "the read-only root was written"
+    finally:
+        root.chmod(0o700)
+
+
+@pytest.mark.nvcc
+def test_read_only_layer_is_searched_after_the_root_and_never_written(golden, tmp_path, monkeypatch):
+    layer = golden.copy(tmp_path / "layer")
+    layer.chmod(0o555)
+    root = tmp_path / "root"
+    try:
+        before = snapshot(layer)
+        monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(root))
+        monkeypatch.setenv("ATTNJIT_CACHE_PATH", f"{tmp_path / 'absent'}:{layer}")
+        cache = Cache()
+        assert cache.root == root and cache.layers == (tmp_path / "absent", layer)
+        entry = cache.lookup(golden.key(APPEND_FP16))
+        assert entry is not None and entry.layer == layer and entry.dir == entry_dir(layer, golden.key(APPEND_FP16))
+        monkeypatch.setenv("ATTNJIT_JIT", "0")  # strict mode is satisfied by a layer
+        binary = jit.ensure(APPEND_FP16)
+        assert binary.how == "disk" and binary.entry.layer == layer
+        assert [r.status for r in Cache().build([jit.job_for(s) for s in golden.specs])] == ["cached"] * 4
+        assert snapshot(layer) == before, "the read-only layer was written"
+        assert not root.exists(), "a hit in a layer created the root"
+        # the root comes first: an entry built there shadows the layer's
+        monkeypatch.setenv("ATTNJIT_JIT", "1")
+        built = Cache(root, layers=()).build([jit.job_for(MERGE_FP16)])[0]
+        assert built.status == "built"
+        assert Cache().lookup(golden.key(MERGE_FP16)).layer == root
+    finally:
+        layer.chmod(0o700)
+
+
+@pytest.mark.nvcc
+def test_strict_mode_miss_names_the_spec_and_the_command_that_warms_it(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    monkeypatch.setenv("ATTNJIT_JIT", "0")
+    cache = Cache(root, layers=())
+    with pytest.raises(CacheMissError) as info:
+        jit.ensure(MERGE_FP16, cache)
+    err, msg = info.value, str(info.value)
+    assert err.spec == MERGE_FP16 and err.key == jit.job_for(MERGE_FP16).key and err.searched == [root]
+    assert MERGE_FP16.canonical() in msg and "ATTNJIT_JIT=0" in msg
+    assert err.command in msg
+    argv = shlex.split(err.command)
+    assert argv[:2] == ["attnjit", "warm"] and argv[argv.index("--spec") + 1] == MERGE_FP16.as_flags()
+    assert argv[argv.index("--cache-dir") + 1] == str(root)
+    assert not root.exists(), "strict mode wrote to the cache"
+    # run the printed command (through this interpreter rather than whichever `attnjit` is on PATH)
+    proc = subprocess.run([sys.executable, "-m", "attnjit.cli", *argv[1:]], capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert parse_summary(proc.stdout) == (1, 1, 0, 0)
+    binary = jit.ensure(MERGE_FP16, Cache(root, layers=()))
+    assert binary.how == "disk"
+
+
+# --- permissions ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_root_other_users_can_write_is_refused(tmp_path, mode):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    cache = Cache(root, layers=())
+    with pytest.raises(UnsafeCacheError) as info:
+        cache.lookup("00" * 32)
+    msg = str(info.value)
+    assert f"cache root {root} is writable by other users (mode {mode:04o})" in msg and "chmod go-w" in msg
+    with pytest.raises(UnsafeCacheError, match=re.escape(str(root))):
+        Cache(root, layers=()).build([_job(TINY_SOURCE, tool=FAKE_NVCC)])
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775])
+def test_a_layer_other_users_can_write_is_refused(tmp_path, mode):
+    layer = tmp_path / "layer"
+    layer.mkdir()
+    layer.chmod(mode)
+    cache = Cache(tmp_path / "root", layers=[layer])
+    with pytest.raises(UnsafeCacheError, match=re.escape(f"cache layer {layer} is writable by other users")):
+        cache.lookup("00" * 32)
+
+
+def test_private_and_read_only_roots_are_accepted(tmp_path):
+    for mode in (0o700, 0o755, 0o555):
+        root = tmp_path / f"root-{mode:o}"
+        root.mkdir()
+        root.chmod(mode)
+        assert Cache(root, layers=()).lookup("00" * 32) is None
+        root.chmod(0o700)
+
+
+def test_a_new_root_is_created_private(tmp_path):
+    root = tmp_path / "a" / "b" / "cache"
+    cache = Cache(root, layers=())
+    cache._ensure_root()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    assert {p.name for p in root.iterdir()} == {".tmp", ".locks", ".trash", "failed"}
+
+
+# --- lock timeout -----------------------------------------------------------------------------------------------
+
+def test_lock_timeout_names_the_lock_file(tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    cache = Cache(root, layers=())
+    cache._ensure_root()
+    job = _job(TINY_SOURCE, tool=FAKE_NVCC)
+    lock_path = root / ".locks" / f"{job.key}.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
+         "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(120)\n",
+         str(lock_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("ATTNJIT_LOCK_TIMEOUT", "1")
+        t0 = time.monotonic()
+        with pytest.raises(LockTimeoutError) as info:
+            cache.build([job])
+        waited = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert 1.0 <= waited < 10
+    assert info.value.lock_path == lock_path and info.value.timeout == 1.0
+    assert str(lock_path) in str(info.value) and "ATTNJIT_LOCK_TIMEOUT" in str(info.value)
+    # the holder is gone: the lock is free again
+    assert _holds_no_lock(lock_path)
+
+
+def test_bad_lock_timeout_setting_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("ATTNJIT_LOCK_TIMEOUT", "-3")
+    with pytest.raises(ValueError, match=r"ATTNJIT_LOCK_TIMEOUT='-3' is invalid: expected a positive number"):
+        Cache(tmp_path / "cache", layers=()).build([_job(TINY_SOURCE, tool=FAKE_NVCC)])
+
+
+# --- prune and clear ------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_prune_removes_least_recently_used_and_bad_entries_first(golden, tmp_path):
+    root = golden.copy(tmp_path / "cache")
+    cache = Cache(root, layers=())
+    order = [MERGE_FP16, MERGE_BF16, APPEND_FP16, PREFILL_D64]  # oldest use first
+    now = time.time()
+    sizes = {}
+    for i, spec in enumerate(order):
+        entry = cache.lookup(golden.key(spec))
+        os.utime(entry.cubin, (now - 1000 + 100 * i, now - 1000 + 100 * i))
+        sizes[spec] = entry.bytes
+    total = sum(sizes.values())
+    assert cache.prune(total) == (0, total)
+    # keep the two most recently used
+    keep = sizes[APPEND_FP16] + sizes[PREFILL_D64]
+    assert cache.prune(keep) == (2, keep)
+    assert [s for s in order if cache.lookup(golden.key(s))] == [APPEND_FP16, PREFILL_D64]
+    # a bad entry goes before an older good one
+    _flip_cubin_byte(entry_dir(root, golden.key(PREFILL_D64)))
+    assert cache.prune(sizes[APPEND_FP16]) == (1, sizes[APPEND_FP16])
+    assert cache.lookup(golden.key(APPEND_FP16)) is not None
+    assert not entry_dir(root, golden.key(PREFILL_D64)).exists()
+    assert cache.prune(0) == (1, 0)
+    assert list(cache.iter_entries()) == []
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        cache.prune(-1)
+
+
+@pytest.mark.nvcc
+def test_clear_removes_root_entries_but_never_layers(golden, tmp_path):
+    root = golden.copy(tmp_path / "root")
+    layer = golden.copy(tmp_path / "layer")
+    (root / "failed" / "junk").mkdir(parents=True)
+    cache = Cache(root, layers=[layer])
+    assert cache.clear() == 4
+    assert [base for base, *_ in cache.iter_entries()] == [layer] * 4
+    assert not (root / "failed").exists()
+    assert cache.clear() == 0
+    assert Cache(tmp_path / "never-made", layers=()).clear() == 0

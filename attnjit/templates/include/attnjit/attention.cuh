@@ -296,18 +296,22 @@ struct AttentionCTA {
     const int first_token = packed_row0 / Tr::GROUP;
     const bool need_mask = kv0 + Tr::CTA_KV > kv_stop || (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > diag + first_token);
     if (need_mask) {
+      // per row: the last visible column, relative to this lane's first column in the tile
+      const int col0 = kv0 + warp_kv * Tr::WARP_COLS + 2 * (lane % 4);
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
-        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+        for (int r = 0; r < 2; ++r) {
+          const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          int last = kv_stop - 1;
+          if constexpr (Tr::CAUSAL) last = min(last, diag + pr / Tr::GROUP);
+          last -= col0;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * (e / 2);
-            const int j = kv0 + warp_kv * Tr::WARP_COLS + nt * 8 + 2 * (lane % 4) + (e % 2);
-            bool visible = j < kv_stop;
-            if constexpr (Tr::CAUSAL) visible = visible && j <= diag + pr / Tr::GROUP;
-            if (!visible) s[mq][nt][e] = neg_inf();
-          }
+          for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (nt * 8 + e > last) s[mq][nt][2 * r + e] = neg_inf();
+        }
     }
 
     // online softmax; O is rescaled only when some row's max moved (warp-uniform vote)

@@ -1,0 +1,283 @@
+"""The `attnjit` command, run as a user runs it (``python -m attnjit.cli`` in a subprocess): warm, cache
+list/verify/clear/prune, info, render, catalog from-log. Failures exit non-zero with one ``attnjit: error:`` line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import fields
+
+import pytest
+
+from attnjit.cache import Cache
+from attnjit.dispatch import DispatchRecord
+from attnjit.generator import render
+from attnjit.specs import AttentionSpec, load_catalog
+from attnjit.toolchain import find_nvcc
+from tests.cpu_support import (APPEND_FP16, DATA, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, parse_summary,
+                               run_cli)
+
+SAMPLE_LOG = DATA / "sample_run.jsonl"
+# what the sample run dispatched: Llama-3-8B-shaped prefill and decode (bf16, page 16, 32 q / 8 kv heads)
+SAMPLE_SPECS = [
+    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4),
+    AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4),
+]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.startswith("attnjit: error:")]
+
+
+# --- warm -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_warm_of_cached_specs_prints_the_summary(golden, tmp_path):
+    root = golden.copy(tmp_path / "cache")
+    catalog = tmp_path / "golden.toml"
+    catalog.write_text("\n".join(["[[spec]]\n" + "\n".join(f"{k} = {json.dumps(v)}" for k, v in s.to_dict().items())
+                                  for s in golden.specs]))
+    # the catalog plus one repeated --spec: 4 distinct specs
+    proc = run_cli("warm", catalog, "--spec", MERGE_FP16.as_flags(), "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    assert parse_summary(proc.stdout) == (4, 0, 4, 0)
+    assert proc.stdout.count("\n") == 1, "warm prints one summary line on stdout (progress goes to stderr)"
+    assert f"warming 4 spec(s) into {root}" in proc.stderr
+    assert error_lines(proc.stderr) == []
+
+
+def test_arch_option_fills_in_specs_that_name_none():
+    proc = run_cli("render", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "--arch", "sm_80")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("// ===== " + AttentionSpec(op="merge_state", head_dim=64, dtype="fp16",
+                                                              arch="sm_80").canonical() + "\n")
+
+
+def test_warm_reports_a_failed_compile_and_exits_1(tmp_path):
+    failing = tmp_path / "failing-nvcc"
+    failing.write_text('#!/bin/sh\ncase " $* " in *" --version "*) echo "Cuda compilation tools, release 13.0, '
+                       'V13.0.88"; exit 0;; esac\necho "kernel.cu(3): error: simulated failure" >&2\nexit 2\n')
+    failing.chmod(0o755)
+    env = dict(os.environ, ATTNJIT_NVCC=str(failing))
+    root = tmp_path / "cache"
+    proc = run_cli("warm", "--spec", MERGE_FP16.as_flags(), "--cache-dir", root, env=env)
+    assert proc.returncode == 1
+    assert parse_summary(proc.stdout) == (1, 0, 0, 1)
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"attnjit: error: {MERGE_FP16.short_name()}: kernel.cu(3): error: simulated failure "
+                           f"(log: {root / 'failed'}/")
+    log = line[line.index("(log: ") + 6:-1]
+    assert log.endswith("/build.log") and "simulated failure" in open(log).read()
+    assert list(Cache(root, layers=()).iter_entries()) == []
+
+
+@pytest.mark.parametrize("text,where", [
+    ('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n\n[[spec]]\nop = "decode"\nhead_dim = 128\n'
+     'dtype = "bf16"\npage_size = [16, 24]\n', r"\[\[spec\]\] table #2: field 'page_size': 24 is not supported"),
+    ('[[spec]]\nop = "decode"\nhead_dim = 128\ncolor = "red"\n', r"\[\[spec\]\] table #1: field 'color': unknown field"),
+    ('[[spec]]\nop = "decode"\nhead_dim = [128\n', r"not valid TOML"),
+])
+def test_warm_of_a_bad_catalog_is_one_error_line(tmp_path, text, where):
+    catalog = tmp_path / "bad.toml"
+    catalog.write_text(text)
+    proc = run_cli("warm", catalog, "--cache-dir", tmp_path / "cache")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == error_lines(proc.stderr), "more than the one error line on stderr"
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"attnjit: error: {catalog}: ") and re.search(where, line), line
+    assert not (tmp_path / "cache").exists()
+
+
+def test_warm_of_a_bad_spec_names_the_field():
+    proc = run_cli("warm", "--spec", "op=decode,head_dim=96,page_size=16,dtype=fp16")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("attnjit: error: --spec: field 'head_dim_qk': ") and "96" in line and "64, 128, 256" in line
+
+
+def test_warm_without_specs_says_what_to_give():
+    proc = run_cli("warm")
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert "no specs: give a catalog file or --spec key=value" in line
+
+
+def test_warm_without_nvcc_is_one_error_line(tmp_path):
+    env = dict(os.environ, ATTNJIT_NVCC=str(tmp_path / "missing-nvcc"))
+    proc = run_cli("warm", "--spec", MERGE_FP16.as_flags(), "--cache-dir", tmp_path / "cache", env=env)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith("attnjit: error: nvcc not found; looked at ATTNJIT_NVCC=") and "Traceback" not in proc.stderr
+
+
+# --- cache ----------------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_cache_list_verify_prune_clear(golden, tmp_path):
+    root = golden.copy(tmp_path / "cache")
+    proc = run_cli("cache", "list", "--cache-dir", root)
+    assert proc.returncode == 0
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1] == "4 entries"
+    for spec in golden.specs:
+        row = next(ln for ln in lines if ln.startswith(golden.key(spec)[:16]))
+        assert spec.short_name() in row and row.endswith("root") and "KiB" in row
+
+    proc = run_cli("cache", "verify", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip() == "4 entries checked, 0 bad"
+
+    (entry_dir(root, golden.key(MERGE_BF16)) / "manifest.json").unlink()
+    proc = run_cli("cache", "list", "--cache-dir", root)
+    assert re.search(rf"^{golden.key(MERGE_BF16)[:16]}  BAD \(manifest.json missing\)  root$", proc.stdout, re.M)
+    proc = run_cli("cache", "verify", "--cache-dir", root)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines() == [f"BAD {entry_dir(root, golden.key(MERGE_BF16))}: manifest.json missing",
+                                                "4 entries checked, 1 bad"]
+
+    # prune: the bad entry goes first, then the least recently used
+    sizes = {s: sum(p.stat().st_size for p in entry_dir(root, golden.key(s)).iterdir()) for s in golden.specs}
+    keep = sizes[APPEND_FP16] + sizes[PREFILL_D64] + sizes[MERGE_FP16]
+    proc = run_cli("cache", "prune", "--max-bytes", keep, "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"removed 1 entries; {keep} bytes remain in {root}"
+    proc = run_cli("cache", "prune", "--cache-dir", root)
+    assert proc.returncode == 2 and error_lines(proc.stderr) == ["attnjit: error: cache prune needs --max-bytes N"]
+    proc = run_cli("cache", "prune", "--max-bytes", "-1", "--cache-dir", root)
+    assert proc.returncode == 1 and error_lines(proc.stderr) == \
+        ["attnjit: error: ValueError: max_bytes must be >= 0, got -1"]
+
+    proc = run_cli("cache", "clear", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip() == f"removed 3 entries from {root}"
+    proc = run_cli("cache", "list", "--cache-dir", root)
+    assert proc.stdout.strip() == "0 entries"
+
+
+@pytest.mark.nvcc
+def test_cache_commands_use_the_environment_root_and_layers(golden, tmp_path):
+    layer = golden.copy(tmp_path / "layer")
+    env = dict(os.environ, ATTNJIT_CACHE_DIR=str(tmp_path / "root"), ATTNJIT_CACHE_PATH=str(layer))
+    proc = run_cli("cache", "list", env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "4 entries"
+    assert all(ln.endswith(f"layer {layer}") for ln in proc.stdout.strip().splitlines()[:-1])
+    proc = run_cli("cache", "clear", env=env)  # never touches a layer
+    assert proc.stdout.strip() == f"removed 0 entries from {tmp_path / 'root'}"
+    assert len(list(Cache(layer, layers=()).iter_entries())) == 4
+
+
+def test_an_unsafe_root_is_one_error_line(tmp_path):
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(0o777)
+    proc = run_cli("warm", "--spec", MERGE_FP16.as_flags(), "--cache-dir", root)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert f"cache root {root} is writable by other users (mode 0777)" in line
+
+
+# --- info -----------------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_info_prints_nvcc_arch_root_and_layers(tmp_path):
+    root, layer = tmp_path / "root", tmp_path / "layer"
+    proc = run_cli("info", "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert re.search(rf"^nvcc: {re.escape(str(find_nvcc()))} \(release \d+\.\d+\)$", out, re.M), out
+    assert re.search(r"^gpu: ", out, re.M)
+    assert "default arch: sm_90a\n" in out
+    assert f"cache root: {root} (writable)\n" in out
+    assert "cache layers: (none; set ATTNJIT_CACHE_PATH)\n" in out
+    assert "strict mode (ATTNJIT_JIT=0): off\n" in out
+
+    layer.mkdir()
+    env = dict(os.environ, ATTNJIT_CACHE_DIR=str(root), ATTNJIT_CACHE_PATH=str(layer), ATTNJIT_ARCH="sm_80",
+               ATTNJIT_JIT="0")
+    out = run_cli("info", env=env).stdout
+    assert f"cache layers: {layer}\n" in out and f"  {layer}: 0 entries, 0.0 KiB\n" in out
+    assert f"  {root}: 0 entries, 0.0 KiB (absent)\n" in out
+    assert "default arch: sm_80\n" in out and "strict mode (ATTNJIT_JIT=0): on\n" in out
+
+
+def test_info_without_nvcc_still_works(tmp_path):
+    env = dict(os.environ, ATTNJIT_NVCC=str(tmp_path / "missing"))
+    proc = run_cli("info", env=env)
+    assert proc.returncode == 0
+    assert re.search(r"^nvcc: not found \(nvcc not found; looked at ATTNJIT_NVCC=", proc.stdout, re.M)
+
+
+# --- render ---------------------------------------------------------------------------------------------------
+
+def test_render_prints_each_catalog_spec_source():
+    catalog = REPO / "specs" / "ci.toml"
+    proc = run_cli("render", catalog)
+    assert proc.returncode == 0, proc.stderr
+    parts = re.split(r"^// ===== (.*)\n", proc.stdout, flags=re.M)
+    assert parts[0] == ""
+    specs = load_catalog(catalog)
+    assert parts[1::2] == [s.canonical() for s in specs]
+    for spec, source in zip(specs, parts[2::2]):
+        assert source == render(spec).source
+
+
+def test_render_of_one_spec():
+    proc = run_cli("render", "--spec", "op=append_kv,head_dim=64,page_size=16,dtype=fp16")
+    assert proc.returncode == 0
+    assert proc.stdout == f"// ===== {APPEND_FP16.canonical()}\n" + render(APPEND_FP16).source
+
+
+# --- catalog from-log -------------------------------------------------------------------------------------------
+
+def test_sample_log_has_the_dispatch_record_format():
+    """tests/data/sample_run.jsonl holds records exactly as DispatchRecord.to_json writes them."""
+    lines = SAMPLE_LOG.read_text().splitlines()
+    assert len(lines) == 3
+    for line in lines:
+        d = json.loads(line)
+        assert list(d) == [f.name for f in fields(DispatchRecord)]
+        record = DispatchRecord(**{**d, "grid": tuple(d["grid"]), "block": tuple(d["block"])})
+        assert record.to_json() == line
+        spec = AttentionSpec.from_dict(json.loads(d["spec"]))
+        assert spec.canonical() == d["spec"]
+
+
+def test_catalog_from_log_writes_the_dispatched_specs(tmp_path):
+    out = tmp_path / "from-log.toml"
+    proc = run_cli("catalog", "from-log", SAMPLE_LOG, "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"wrote 2 specs to {out}"
+    assert load_catalog(out) == SAMPLE_SPECS  # the repeated decode record appears once
+    text = out.read_text()
+    assert text.startswith("# Specs dispatched in sample_run.jsonl (2)")
+    # without -o the catalog goes to stdout
+    proc = run_cli("catalog", "from-log", SAMPLE_LOG)
+    assert proc.returncode == 0 and proc.stdout == text
+
+
+@pytest.mark.nvcc
+def test_warm_of_a_catalog_from_a_log_builds_its_specs(tmp_path):
+    out = tmp_path / "from-log.toml"
+    assert run_cli("catalog", "from-log", SAMPLE_LOG, "-o", out).returncode == 0
+    root = tmp_path / "cache"
+    proc = run_cli("warm", out, "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    assert parse_summary(proc.stdout) == (2, 2, 0, 0)
+    for spec in SAMPLE_SPECS:
+        assert re.search(rf"^  built {re.escape(spec.short_name())} in \d+\.\d s$", proc.stderr, re.M)
+    cache = Cache(root, layers=())
+    assert cache.verify() == []
+    built = {AttentionSpec.from_dict(e.manifest["meta"]["spec"]) for _, _, e, _ in cache.iter_entries() if e}
+    assert built == set(SAMPLE_SPECS)
+    proc = run_cli("warm", out, "--cache-dir", root)
+    assert parse_summary(proc.stdout) == (2, 0, 2, 0)
+
+
+def test_catalog_from_a_bad_log_names_the_line(tmp_path):
+    log = tmp_path / "run.jsonl"
+    log.write_text(SAMPLE_LOG.read_text().splitlines()[0] + "\n\n" + '{"op": "decode"}\n')
+    proc = run_cli("catalog", "from-log", log)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert line.startswith(f"attnjit: error: {log}:3: not a dispatch record")
+    proc = run_cli("catalog", "from-log", tmp_path / "absent.jsonl")
+    assert proc.returncode == 1 and "cannot read" in error_lines(proc.stderr)[0]

@@ -58,6 +58,8 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   t=$(date +%s)
   python3 benchmarks/bench.py $fi_flag --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
   summary+=("bench (rc=$?, $(( $(date +%s) - t )) s)")
+  python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
+  summary+=("engine: $(tail -1 "$OUT/engine.json")")
   if [ -d /tmp/fiws/.cache ] && [ ! -f .bench/fi-jit.tar.xz ]; then
     tar -C /tmp/fiws -cf - .cache | xz -T0 -3 >"$OUT/fi-jit.tar.xz"
   fi

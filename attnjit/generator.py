@@ -73,11 +73,8 @@ PARAMS: dict[str, ParamLayout] = {
         lse: ptr: [nnz_qo, H_q] f32 base-2 log-sum-exp, or 0
         tmp_o: ptr: [slots, H_q, D] f32 partial outputs of split requests
         tmp_lse: ptr: [slots, H_q] f32 partial lse of split requests
-        qo_indptr: ptr: [B+1] i32 query rows per request
-        kv_indptr: ptr: [B+1] i32 page-table offsets (paged) or kv token offsets (ragged)
         kv_indices: ptr: [*] i32 page ids in logical order (paged)
-        kv_lens: ptr: [B] i32 kv tokens per request (current queries included)
-        work: ptr: [W][8] i32 work records {request, q tile, kv begin, kv end, chunk-0 slot or -1, chunk, chunks, group}
+        work: ptr: [W][12] i32 work records (see AttentionCTA::setup)
         work_count: ptr: [1] i32 number of work records
         merge_counters: ptr: [groups][H_kv] i32 split-group tickets, zero between runs
         q_stride_n: i64: q token stride (elements)

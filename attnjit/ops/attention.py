@@ -24,8 +24,9 @@ from ._common import (SPEC_DTYPE, PagedCache, as_dtype, check_head_dim, check_he
 from .scheduler import WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
-# int32 regions of the per-plan metadata buffer, in order ("work" first: its records are read as int4 pairs)
-_REGIONS = ("work", "qo_indptr", "kv_lens", "work_count", "merge_counters")
+# int32 regions of the per-plan metadata buffer, in order ("work" first: its records are read as int4 triples)
+_REGIONS = ("work", "work_count", "merge_counters")
+_RECORD = 12  # ints per work record
 
 
 @dataclass
@@ -83,6 +84,16 @@ class _AttentionWrapper:
         self._graph_spec: AttentionSpec | None = None
         self._graph_tile: Tile | None = None
 
+    def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
+        """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
+        rest lives in the wrapper's own work records), so a given page-id buffer becomes that buffer."""
+        for name, buf in buffers.items():
+            if buf is None:
+                continue
+            check_metadata(name, buf, self._device)
+            if "indices" in name:
+                self._graph_tables["kv_indices"] = buf
+
     @property
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
@@ -103,9 +114,9 @@ class _AttentionWrapper:
                              "supported yet)")
         return q_dtype, kv_dtype, o_dtype
 
-    def _finish_plan(self, *, spec: AttentionSpec, qo: list[int], kv_lens: list[int], num_qo_heads: int,
-                     num_kv_heads: int, q_dtype, kv_dtype, o_dtype, sm_scale: float | None, max_page: int,
-                     total_kv: int, tables: dict[str, torch.Tensor], fixed_split_size: int | None,
+    def _finish_plan(self, *, spec: AttentionSpec, qo: list[int], kv_lens: list[int], kv_bases: list[int],
+                     num_qo_heads: int, num_kv_heads: int, q_dtype, kv_dtype, o_dtype, sm_scale: float | None,
+                     max_page: int, total_kv: int, tables: dict[str, torch.Tensor], fixed_split_size: int | None,
                      disable_split_kv: bool) -> None:
         head_dim = spec.head_dim_qk
         group = spec.group_size
@@ -140,14 +151,15 @@ class _AttentionWrapper:
             sms = dispatch.num_sms(None)
         slot_bytes = num_qo_heads * (head_dim + 1) * 4
         max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
-        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, qo_offsets=qo[:-1], group=group, tile=tile,
+        work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, qo_offsets=qo[:-1], kv_bases=kv_bases, group=group,
+                         tile=tile,
                          causal=spec.mask == "causal", num_kv_heads=num_kv_heads, slots=sms * per_sm,
                          max_slots=max_slots, allow_split=not disable_split_kv, fixed_chunk=fixed_split_size)
         plan = _Plan(spec=spec, work=work, batch_size=batch, total_q=qo[-1], num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
                      kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=max_page, total_kv=total_kv, on_gpu=on_gpu)
-        host = {"work": [x for rec in work.records for x in rec], "qo_indptr": qo, "kv_lens": kv_lens,
-                "work_count": [work.num_items], "merge_counters": [0] * (work.num_groups * num_kv_heads)}
+        host = {"work": [x for rec in work.records for x in rec], "work_count": [work.num_items],
+                "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
             ptr = self._upload(host, tables, batch, plan)
             self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
@@ -163,9 +175,8 @@ class _AttentionWrapper:
                 raise ValueError(f"this wrapper was built with use_cuda_graph=True and first planned for batch size "
                                  f"{self._graph_batch}; plan() got batch size {batch}. Use one wrapper per batch size.")
             if self._graph_regions is None:
-                cap_items = max(self._max_work_items or 0, 2 * (len(host["work"]) // 8), 64)
-                caps = {"work": 8 * cap_items, "qo_indptr": batch + 1, "kv_lens": batch, "work_count": 1,
-                        "merge_counters": cap_items * plan.num_kv_heads}
+                cap_items = max(self._max_work_items or 0, 2 * (len(host["work"]) // _RECORD), 64)
+                caps = {"work": _RECORD * cap_items, "work_count": 1, "merge_counters": cap_items * plan.num_kv_heads}
                 offset, regions = 0, {}
                 for r in _REGIONS:
                     regions[r] = (offset, caps[r])
@@ -228,9 +239,8 @@ class _AttentionWrapper:
             grid_x = work.num_items
         plan.attn = dispatch.Launch(self._op, kernel, (grid_x, plan.num_kv_heads, 1), plan=plan.decision())
         plan.attn_values = PARAMS["attention"].values(
-            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4, qo_indptr=ptr["qo_indptr"],
-            kv_indptr=ptr["kv_indptr"], kv_indices=ptr.get("kv_indices", 0), kv_lens=ptr["kv_lens"],
-            work=ptr["work"], work_count=ptr["work_count"], merge_counters=ptr["merge_counters"],
+            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
+            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"], merge_counters=ptr["merge_counters"],
             q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0, kv_stride_1=0,
             num_qo_heads=hq, sm_scale_log2=sm_scale * _LOG2E)
 
@@ -287,9 +297,9 @@ _KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
 
 
 class _PagedMixin:
-    def _paged_metadata(self, *, qo_indptr_host: list[int] | None, indptr, indices, last_page_len, page_size: int,
-                        batch: int, names: tuple[str, str, str]) -> tuple[list[int], int, int]:
-        """Validate the page table; return (kv lengths, largest page id, pages used)."""
+    def _paged_metadata(self, *, indptr, indices, last_page_len, page_size: int, batch: int,
+                        names: tuple[str, str, str]) -> tuple[list[int], list[int], int]:
+        """Validate the page table; return (kv lengths, page-table offsets, largest page id)."""
         n_indptr, n_indices, n_last = names
         dev = self._device
         check_metadata(n_indptr, indptr, dev, batch + 1)
@@ -323,7 +333,7 @@ class _PagedMixin:
                 req = next(i for i in range(batch) if kvp[i] <= k < kvp[i + 1])
                 raise ValueError(f"{n_indices}[{k}]={host[k]} is not a valid page id (request {req}); page ids must "
                                  "be >= 0 and < the number of pages in the cache")
-        return kv_lens, max_page, kvp[-1]
+        return kv_lens, kvp[:-1], max_page
 
     def _check_cache(self, plan: _Plan, paged_kv_cache) -> PagedCache:
         cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
@@ -351,11 +361,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
         unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
-        for name, buf in (("qo_indptr", qo_indptr_buf), ("kv_indptr", paged_kv_indptr_buf),
-                          ("kv_indices", paged_kv_indices_buf)):
-            if buf is not None:
-                check_metadata(name + "_buf", buf, self._device)
-                self._graph_tables[name] = buf
+        self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
+                            paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
@@ -381,8 +388,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         batch = qo_indptr.numel() - 1
         qo = qo_indptr.tolist()
         check_indptr("qo_indptr", qo)
-        kv_lens, max_page, _ = self._paged_metadata(
-            qo_indptr_host=qo, indptr=paged_kv_indptr, indices=paged_kv_indices, last_page_len=paged_kv_last_page_len,
+        kv_lens, kv_bases, max_page = self._paged_metadata(
+            indptr=paged_kv_indptr, indices=paged_kv_indices, last_page_len=paged_kv_last_page_len,
             page_size=page_size, batch=batch,
             names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
         if causal:
@@ -394,11 +401,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", layout=self._kv_layout, kv="paged",
                              group_size=group, arch=_arch_for(self._device))
-        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, sm_scale=sm_scale, max_page=max_page,
-                          total_kv=0,
-                          tables={"qo_indptr": qo_indptr, "kv_indptr": paged_kv_indptr, "kv_indices": paged_kv_indices},
-                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kv_bases, num_qo_heads=num_qo_heads,
+                          num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                          sm_scale=sm_scale, max_page=max_page, total_kv=0,
+                          tables={"kv_indices": paged_kv_indices}, fixed_split_size=fixed_split_size,
+                          disable_split_kv=disable_split_kv)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
@@ -427,10 +434,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
                  *, max_work_items: int | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
-        for name, buf in (("kv_indptr", paged_kv_indptr_buffer), ("kv_indices", paged_kv_indices_buffer)):
-            if buf is not None:
-                check_metadata(name + "_buffer", buf, self._device)
-                self._graph_tables[name] = buf
+        self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
+                            paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
+                            paged_kv_indices_buffer=paged_kv_indices_buffer)
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
@@ -451,8 +457,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         if indptr.numel() < 1:
             raise ValueError("indptr must have batch_size + 1 >= 1 elements")
         batch = indptr.numel() - 1
-        kv_lens, max_page, _ = self._paged_metadata(
-            qo_indptr_host=None, indptr=indptr, indices=indices, last_page_len=last_page_len, page_size=page_size,
+        kv_lens, kv_bases, max_page = self._paged_metadata(
+            indptr=indptr, indices=indices, last_page_len=last_page_len, page_size=page_size,
             batch=batch, names=("indptr", "indices", "last_page_len"))
         for i, k in enumerate(kv_lens):
             if k == 0:
@@ -462,9 +468,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
                              group_size=group, arch=_arch_for(self._device))
         qo = list(range(batch + 1))
-        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, sm_scale=sm_scale, max_page=max_page,
-                          total_kv=0, tables={"kv_indptr": indptr, "kv_indices": indices},
+        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kv_bases, num_qo_heads=num_qo_heads,
+                          num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                          sm_scale=sm_scale, max_page=max_page, total_kv=0, tables={"kv_indices": indices},
                           fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
@@ -496,10 +502,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
         unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
-        for name, buf in (("qo_indptr", qo_indptr_buf), ("kv_indptr", kv_indptr_buf)):
-            if buf is not None:
-                check_metadata(name + "_buf", buf, self._device)
-                self._graph_tables[name] = buf
+        self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
              head_dim_qk: int, head_dim_vo: int | None = None, custom_mask=None, packed_custom_mask=None,
@@ -535,9 +538,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", kv="ragged", group_size=group,
                              arch=_arch_for(self._device))
-        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, sm_scale=sm_scale, max_page=-1,
-                          total_kv=kvp[-1], tables={"qo_indptr": qo_indptr, "kv_indptr": kv_indptr},
+        self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kvp[:-1], num_qo_heads=num_qo_heads,
+                          num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                          sm_scale=sm_scale, max_page=-1, total_kv=kvp[-1], tables={},
                           fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,

@@ -22,8 +22,9 @@ MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops b
 @dataclass
 class WorkPlan:
     tile: Tile
-    # one record per work item: (request, q tile, kv begin, kv end, chunk-0 slot or -1, chunk, chunks, group)
-    records: list[tuple[int, int, int, int, int, int, int, int]] = field(default_factory=list)
+    # one record per work item (12 ints, the kernel's AttentionCTA::setup): request, q tile, kv begin, kv end,
+    # chunk-0 partial slot or -1, chunk, chunks, group, first query row, query rows, kv length, kv base
+    records: list[tuple[int, ...]] = field(default_factory=list)
     num_groups: int = 0            # split groups (request, q tile); each has one ticket counter per KV head
     chunk: int | None = None       # kv tokens per chunk of split requests; None = nothing split
     num_slots: int = 0             # partial-state slots used
@@ -76,10 +77,11 @@ def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, n
     return chunk if chunk < max_kv else None
 
 
-def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int], group: int, tile: Tile,
-              causal: bool, num_kv_heads: int, slots: int, max_slots: int, allow_split: bool = True,
-              fixed_chunk: int | None = None) -> WorkPlan:
-    """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i])."""
+def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int],
+              kv_bases: Sequence[int], group: int, tile: Tile, causal: bool, num_kv_heads: int, slots: int,
+              max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
+    """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i]); ``kv_bases[i]``
+    its first page-table entry (paged) or first kv row (ragged)."""
     tiles = [_ceil(q * group, tile.cta_q) if q else 0 for q in qo_lens]
     if fixed_chunk is not None:
         if fixed_chunk < 1:
@@ -114,7 +116,8 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
                 kb = c * chunk if n_chunks > 1 else 0
                 ke = min(k, kb + chunk) if n_chunks > 1 else k
                 visited = max(0, min(ke, causal_end) - kb)
-                items.append((-(rows * max(visited, 1)), len(items), (i, qt, kb, ke, base, c, n_chunks, group_id)))
+                items.append((-(rows * max(visited, 1)), len(items),
+                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_offsets[i], q, k, kv_bases[i])))
     if next_slot > max_slots:
         raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
                          f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")

@@ -147,9 +147,11 @@ struct AttentionCTA {
   }
 
   __device__ __forceinline__ bool setup(int w) {
-    // work record: {request, q tile, kv begin, kv end, slot of chunk 0 (-1: unsplit), chunk, chunks, group}
-    const int4* rec = reinterpret_cast<const int4*>(p.work) + 2 * static_cast<int64_t>(w);
-    const int4 a = rec[0], b = rec[1];
+    // work record (12 ints, three int4 loads in flight together): {request, q tile, kv begin, kv end,
+    // chunk-0 partial slot (-1: unsplit), chunk, chunks, group, first query row, query rows, kv length,
+    // page-table offset (paged) or first kv token (ragged)}
+    const int4* rec = reinterpret_cast<const int4*>(p.work) + 3 * static_cast<int64_t>(w);
+    const int4 a = rec[0], b = rec[1], c = rec[2];
     req = a.x;
     const int qtile = a.y;
     kv_begin = a.z;
@@ -157,11 +159,10 @@ struct AttentionCTA {
     pslot0 = b.x;
     nchunks = b.z;
     group = b.w;
-    const int32_t* qo_indptr = reinterpret_cast<const int32_t*>(p.qo_indptr);
-    q_begin = qo_indptr[req];
-    qo_len = qo_indptr[req + 1] - qo_indptr[req];
-    kv_len = reinterpret_cast<const int32_t*>(p.kv_lens)[req];
-    kv_base = reinterpret_cast<const int32_t*>(p.kv_indptr)[req];
+    q_begin = c.x;
+    qo_len = c.y;
+    kv_len = c.z;
+    kv_base = c.w;
     pslot = pslot0 >= 0 ? pslot0 + b.y * qo_len : -1;
     rows_total = qo_len * Tr::GROUP;
     packed_row0 = qtile * Tr::CTA_Q;

@@ -67,7 +67,6 @@ class Recording(list):
 _recorders: list[Recording] = []
 _log_lock = threading.Lock()
 _log_state: dict[str, Any] = {"raw": None, "file": None}
-stats = {"launches": 0, "memory": 0, "disk": 0, "built": 0}
 
 
 @contextmanager
@@ -81,8 +80,16 @@ def recording() -> Iterator[Recording]:
         _recorders.remove(rec)
 
 
+try:  # the process environment as a plain dict: a lookup per dispatch costs ~50 ns instead of ~1.5 us
+    _ENV, _LOG_KEY = os.environ._data, os.environ.encodekey(knobs.LOG.name)  # type: ignore[attr-defined]
+except AttributeError:  # not CPython's posix environ
+    _ENV, _LOG_KEY = os.environ, knobs.LOG.name
+
+
 def _log_file():
-    raw = os.environ.get(knobs.LOG.name) or None
+    raw = _ENV.get(_LOG_KEY) or None
+    if raw is not None and isinstance(raw, bytes):
+        raw = os.fsdecode(raw)
     if raw != _log_state["raw"]:
         with _log_lock:
             if _log_state["file"] is not None:
@@ -161,6 +168,7 @@ class Module:
                 self.kernels[name] = Kernel(self, info, fn)
         self.load_ms = binary.lookup_ms + (time.perf_counter() - t0) * 1e3
         self._first_source: str | None = binary.how
+        self.launches = 0
         touch(binary.entry)
 
     def take_source(self) -> tuple[str, float | None, float | None]:
@@ -207,14 +215,15 @@ class Launch:
     def __call__(self, values: list) -> None:
         self.layout.struct.pack_into(self._buf, 0, *values)
         gx, gy, gz = self.grid
-        bx, by, bz = self.block
         if gx and gy and gz:
+            bx, by, bz = self.block
             self._launch(self.kernel.ptr, gx, gy, gz, bx, by, bz, self.smem, current_stream(self._device_index),
                          self._argv_ptr, 0)
         module = self.kernel.module
+        module.launches += 1
+        if module._first_source is None and not _recorders and _log_file() is None:
+            return  # the common case: a memory hit nobody is recording
         how, compile_ms, load_ms = module.take_source()
-        stats["launches"] += 1
-        stats[how] += 1
         if _recorders or _log_file() is not None:
             _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
                                  binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,

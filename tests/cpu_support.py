@@ -6,6 +6,7 @@ Everything that compiles goes into temporary cache roots; nothing here reads or 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -88,8 +89,6 @@ def snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
 
 def parse_summary(stdout: str) -> tuple[int, int, int, int]:
     """(specs, built, cached, failed) from warm's last line ``N specs: B built, C cached, F failed (X s)``."""
-    import re
-
     line = stdout.strip().splitlines()[-1]
     m = re.fullmatch(r"(\d+) specs: (\d+) built, (\d+) cached, (\d+) failed \((\d+\.\d) s\)", line)
     assert m, f"warm summary line has the wrong format: {line!r}"

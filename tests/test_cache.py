@@ -447,8 +447,8 @@ def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
                                f"cache format {CACHE_FORMAT_VERSION + 1}"),
                               (["not", "a", "dict"], "names another key")):
         (d / "manifest.json").write_text(json.dumps(manifest))
-        assert cache.read_entry(root, key) == (None, cache.read_entry(root, key)[1])
-        assert problem in cache.read_entry(root, key)[1]
+        entry, found = cache.read_entry(root, key)
+        assert entry is None and problem in found, found
         with pytest.warns(BadEntryWarning):
             assert cache.lookup(key) is None
     (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest}))

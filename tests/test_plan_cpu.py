@@ -56,7 +56,21 @@ def ragged_args(**changes):
 
 # --- work records ---------------------------------------------------------------------------------------------
 
-_FIELDS = ("req", "qtile", "kv_begin", "kv_end", "slot0", "chunk", "chunks", "group")
+_FIELDS = ("req", "qtile", "kv_begin", "kv_end", "slot0", "chunk", "chunks", "group", "q_row0", "q_rows", "kv_len",
+           "kv_base")
+
+
+def _starts(lengths) -> list[int]:
+    out = [0]
+    for n in lengths[:-1]:
+        out.append(out[-1] + n)
+    return out
+
+
+def schedule(**kw):
+    """plan_work with kv_bases of back-to-back (ragged) histories unless given."""
+    kw.setdefault("kv_bases", _starts(kw["kv_lens"]))
+    return plan_work(**kw)
 
 
 def records(work) -> list[dict]:
@@ -64,12 +78,18 @@ def records(work) -> list[dict]:
     return [dict(zip(_FIELDS, r, strict=True)) for r in work.records]
 
 
-def check_work(work, *, qo_lens, kv_lens, group, tile, causal, max_slots, fixed=False):
+def check_work(work, *, qo_lens, kv_lens, group, tile, causal, max_slots, fixed=False, kv_bases=None):
     """Invariants every plan must hold; returns the items."""
     items = records(work)
+    qo_offsets = _starts(qo_lens)
+    kv_bases = _starts(kv_lens) if kv_bases is None else kv_bases
     by_tile = defaultdict(list)
     for it in items:
         assert 0 <= it["kv_begin"] <= it["kv_end"] <= kv_lens[it["req"]], it
+        # a record carries its request's whole description (the kernel reads no indptr tables)
+        i = it["req"]
+        assert (it["q_row0"], it["q_rows"], it["kv_len"], it["kv_base"]) == \
+            (qo_offsets[i], qo_lens[i], kv_lens[i], kv_bases[i]), it
         by_tile[it["req"], it["qtile"]].append(it)
     # one set of items per (request, q tile of CTA_Q packed rows); none for requests without queries
     want_tiles = {(i, t) for i, q in enumerate(qo_lens) for t in range(math.ceil(q * group / tile.cta_q))}
@@ -129,7 +149,7 @@ def test_seed_batch_plans_for_paged_prefill():
                                       group_size=4)
     assert (plan.batch_size, plan.total_q, plan.max_page) == (3, 8, 14)
     items = check_work(plan.work, qo_lens=[3, 1, 4], kv_lens=SEED_KV_LENS, group=4, tile=plan.work.tile,
-                       causal=True, max_slots=10 ** 9)
+                       causal=True, max_slots=10 ** 9, kv_bases=[0, 2, 3])
     assert sorted((it["req"], it["kv_end"]) for it in items) == [(0, 6), (1, 2), (2, 9)]
     d = w.last_plan
     assert d["split_kv"] is False and d["work_items"] == 3 and d["ctas"] == 3 * 8
@@ -141,7 +161,7 @@ def test_seed_batch_plans_for_decode_and_ragged():
     d.plan(**decode_args())
     assert d._plan.spec == AttentionSpec(op="decode", head_dim=128, page_size=4, dtype="bf16", group_size=4)
     check_work(d._plan.work, qo_lens=[1, 1, 1], kv_lens=SEED_KV_LENS, group=4, tile=d._plan.work.tile,
-               causal=False, max_slots=10 ** 9)
+               causal=False, max_slots=10 ** 9, kv_bases=[0, 2, 3])
     r = BatchPrefillWithRaggedKVCacheWrapper(workspace())
     r.plan(**ragged_args())
     assert r._plan.spec == AttentionSpec(op="prefill", head_dim=64, dtype="fp16", kv="ragged", mask="causal",
@@ -190,7 +210,8 @@ PAGED_BAD = {
     "list metadata": (dict(paged_kv_indptr=None), TypeError, r"paged_kv_indptr must be a torch.Tensor"),
     "2-D metadata": (dict(qo_indptr=torch.tensor([[0, 3, 4, 8]], dtype=torch.int32)), ValueError,
                      r"qo_indptr must be 1-D"),
-    "kv_indptr too short": (dict(paged_kv_indptr=[0, 2, 6]), ValueError, r"paged_kv_indptr must have 4 elements, got 3"),
+    "kv_indptr too short": (dict(paged_kv_indptr=[0, 2, 6]), ValueError,
+                            r"paged_kv_indptr must have 4 elements, got 3"),
     "last_page_len too short": (dict(paged_kv_last_page_len=[2, 2]), ValueError,
                                 r"paged_kv_last_page_len must have 3 elements, got 2"),
     "qo_indptr not monotone": (dict(qo_indptr=[0, 3, 2, 8]), ValueError,
@@ -317,7 +338,7 @@ def test_no_split_when_the_items_fill_the_gpu():
     kv = [1 + (i * 37) % 2000 for i in range(300)]
     assert choose_chunk([1] * 300, kv, cta_kv=NARROW.cta_kv, num_kv_heads=8, slots=264, slot_rows=[1] * 300,
                         max_slots=10 ** 6) is None
-    work = plan_work(qo_lens=[1] * 300, kv_lens=kv, qo_offsets=list(range(300)), group=4, tile=NARROW, causal=False,
+    work = schedule(qo_lens=[1] * 300, kv_lens=kv, qo_offsets=list(range(300)), group=4, tile=NARROW, causal=False,
                      num_kv_heads=8, slots=264, max_slots=10 ** 6)
     assert work.chunk is None and work.num_items == 300 and work.num_slots == 0
     check_work(work, qo_lens=[1] * 300, kv_lens=kv, group=4, tile=NARROW, causal=False, max_slots=10 ** 6)
@@ -334,7 +355,7 @@ def test_one_long_decode_is_split_into_the_smallest_chunk_that_fits_one_wave():
     chunk = choose_chunk([1], [32768], cta_kv=64, num_kv_heads=8, slots=264, slot_rows=[1], max_slots=10 ** 6)
     assert chunk == 1024
     assert math.ceil(32768 / chunk) * 8 <= 264 < math.ceil(32768 / (chunk - 64)) * 8  # smallest that fits
-    work = plan_work(qo_lens=[1], kv_lens=[32768], qo_offsets=[0], group=4, tile=NARROW, causal=False,
+    work = schedule(qo_lens=[1], kv_lens=[32768], qo_offsets=[0], group=4, tile=NARROW, causal=False,
                      num_kv_heads=8, slots=264, max_slots=10 ** 6)
     items = check_work(work, qo_lens=[1], kv_lens=[32768], group=4, tile=NARROW, causal=False, max_slots=10 ** 6)
     assert work.chunk == 1024 and work.num_items == 32 and work.split_requests == 1 and work.num_slots == 32
@@ -364,7 +385,7 @@ def test_cpu_plan_of_the_long_decode_targets_264_slots(monkeypatch):
 
 def test_mixed_lengths_split_only_the_long_requests():
     kv = [5000, 3000, 100, 1]
-    work = plan_work(qo_lens=[1] * 4, kv_lens=kv, qo_offsets=[0, 1, 2, 3], group=4, tile=NARROW, causal=False,
+    work = schedule(qo_lens=[1] * 4, kv_lens=kv, qo_offsets=[0, 1, 2, 3], group=4, tile=NARROW, causal=False,
                      num_kv_heads=8, slots=264, max_slots=10 ** 6)
     items = check_work(work, qo_lens=[1] * 4, kv_lens=kv, group=4, tile=NARROW, causal=False, max_slots=10 ** 6)
     chunks = {it["req"]: it["chunks"] for it in items}
@@ -378,7 +399,7 @@ def test_a_small_workspace_forces_bigger_chunks_or_no_split():
     assert choose_chunk([1], [32768], max_slots=10 ** 6, **kw) == 1024
     assert choose_chunk([1], [32768], max_slots=8, **kw) == 4096   # 8 partial states of 4096 tokens
     assert choose_chunk([1], [32768], max_slots=1, **kw) is None    # no room for any split
-    work = plan_work(qo_lens=[1], kv_lens=[32768], qo_offsets=[0], group=4, tile=NARROW, causal=False,
+    work = schedule(qo_lens=[1], kv_lens=[32768], qo_offsets=[0], group=4, tile=NARROW, causal=False,
                      num_kv_heads=8, slots=264, max_slots=8)
     check_work(work, qo_lens=[1], kv_lens=[32768], group=4, tile=NARROW, causal=False, max_slots=8)
     assert work.num_slots == 8
@@ -402,18 +423,18 @@ def test_the_workspace_size_bounds_the_plan(monkeypatch):
 
 def test_fixed_chunk_is_honoured_and_rounded_to_the_kv_tile():
     kv = [1000, 130, 129]
-    work = plan_work(qo_lens=[1, 1, 1], kv_lens=kv, qo_offsets=[0, 1, 2], group=4, tile=NARROW, causal=False,
+    work = schedule(qo_lens=[1, 1, 1], kv_lens=kv, qo_offsets=[0, 1, 2], group=4, tile=NARROW, causal=False,
                      num_kv_heads=8, slots=264, max_slots=10 ** 6, fixed_chunk=100)
     assert work.chunk == 128  # ceil(100 / 64) * 64
     items = check_work(work, qo_lens=[1, 1, 1], kv_lens=kv, group=4, tile=NARROW, causal=False,
                        max_slots=10 ** 6, fixed=True)
     assert {it["req"]: it["chunks"] for it in items} == {0: 8, 1: 2, 2: 2}
     # a fixed chunk splits even when the GPU is already full, and never with a non-positive size
-    full = plan_work(qo_lens=[1] * 300, kv_lens=[1000] * 300, qo_offsets=list(range(300)), group=4, tile=NARROW,
+    full = schedule(qo_lens=[1] * 300, kv_lens=[1000] * 300, qo_offsets=list(range(300)), group=4, tile=NARROW,
                      causal=False, num_kv_heads=8, slots=264, max_slots=10 ** 6, fixed_chunk=256)
     assert full.chunk == 256 and full.split_requests == 300
     with pytest.raises(ValueError, match="fixed_split_size must be positive, got 0"):
-        plan_work(qo_lens=[1], kv_lens=[10], qo_offsets=[0], group=4, tile=NARROW, causal=False, num_kv_heads=8,
+        schedule(qo_lens=[1], kv_lens=[10], qo_offsets=[0], group=4, tile=NARROW, causal=False, num_kv_heads=8,
                   slots=264, max_slots=10, fixed_chunk=0)
 
 
@@ -421,7 +442,7 @@ def test_causal_prefill_items_cover_every_q_tile_and_weigh_visible_keys():
     spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4)
     wide = tiles_for(spec)[-1]
     qo, kv = [100, 1, 0, 7], [3000, 5000, 10, 7]
-    work = plan_work(qo_lens=qo, kv_lens=kv, qo_offsets=[0, 100, 101, 101], group=4, tile=wide, causal=True,
+    work = schedule(qo_lens=qo, kv_lens=kv, qo_offsets=[0, 100, 101, 101], group=4, tile=wide, causal=True,
                      num_kv_heads=8, slots=264, max_slots=10 ** 6)
     items = check_work(work, qo_lens=qo, kv_lens=kv, group=4, tile=wide, causal=True, max_slots=10 ** 6)
     assert work.chunk is not None, "few tiles over long histories: the scheduler should split"

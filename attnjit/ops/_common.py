@@ -114,6 +114,8 @@ class PagedCache:
     head_dim: int
     stride_page: int   # elements between pages
     stride_inner: int  # slot stride (NHD) / head stride (HND)
+    k_ptr: int = 0
+    v_ptr: int = 0
 
 
 def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
@@ -142,4 +144,4 @@ def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
         raise ValueError(f"{name}: the last dim must be contiguous and consecutive {what} {dim} elements apart "
                          f"({layout} layout); got strides {k.stride()}. Use a contiguous cache.")
     return PagedCache(k=k, v=v, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
-                      stride_page=k.stride(0), stride_inner=k.stride(1))
+                      stride_page=k.stride(0), stride_inner=k.stride(1), k_ptr=k.data_ptr(), v_ptr=v.data_ptr())

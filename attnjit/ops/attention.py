@@ -45,6 +45,7 @@ class _Plan:
     max_page: int                   # largest page id used (-1: none), checked against the cache in run()
     total_kv: int                   # ragged: kv_indptr[-1]
     on_gpu: bool
+    q_shape: Any = None             # torch.Size([total_q, H_q, D]): what run() expects of q and out
     attn: Any = None                # dispatch.Launch
     attn_values: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
@@ -83,6 +84,7 @@ class _AttentionWrapper:
         self._graph_batch: int | None = None
         self._graph_spec: AttentionSpec | None = None
         self._graph_tile: Tile | None = None
+        self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -157,7 +159,8 @@ class _AttentionWrapper:
                          max_slots=max_slots, allow_split=not disable_split_kv, fixed_chunk=fixed_split_size)
         plan = _Plan(spec=spec, work=work, batch_size=batch, total_q=qo[-1], num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
-                     kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=max_page, total_kv=total_kv, on_gpu=on_gpu)
+                     kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=max_page, total_kv=total_kv, on_gpu=on_gpu,
+                     q_shape=torch.Size((qo[-1], num_qo_heads, head_dim)))
         host = {"work": [x for rec in work.records for x in rec], "work_count": [work.num_items],
                 "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
@@ -256,35 +259,37 @@ class _AttentionWrapper:
         return plan
 
     def _check_q_out(self, plan: _Plan, q: torch.Tensor, out, lse, return_lse: bool):
-        shape = (plan.total_q, plan.num_qo_heads, plan.head_dim)
-        if not isinstance(q, torch.Tensor) or q.dtype != plan.q_dtype or tuple(q.shape) != shape \
-                or q.device != self._device or q.stride(2) != 1:
+        """Check q/out/lse against the plan (allocating out/lse when not given); returns them with q/out strides."""
+        shape, dev = plan.q_shape, self._device
+        qs = q.stride() if isinstance(q, torch.Tensor) else None
+        if qs is None or q.dtype != plan.q_dtype or q.shape != shape or qs[2] != 1 or q.device != dev:
             check_tensor("q", q)
-            raise ValueError(f"run(): q must be {plan.q_dtype} {list(shape)} on {self._device} with a contiguous last "
+            raise ValueError(f"run(): q must be {plan.q_dtype} {list(shape)} on {dev} with a contiguous last "
                              f"dim, as planned; got {q.dtype} {list(q.shape)} on {q.device} strides {q.stride()}. "
                              "Call plan() again for a new batch.")
         if out is None:
-            out = torch.empty(shape, dtype=plan.o_dtype, device=self._device)
-        elif not isinstance(out, torch.Tensor) or out.dtype != plan.o_dtype or tuple(out.shape) != shape \
-                or out.device != self._device or out.stride(2) != 1:
+            out = torch.empty(shape, dtype=plan.o_dtype, device=dev)
+        os_ = out.stride() if isinstance(out, torch.Tensor) else None
+        if os_ is None or out.dtype != plan.o_dtype or out.shape != shape or os_[2] != 1 or out.device != dev:
             check_tensor("out", out)
-            raise ValueError(f"run(): out must be {plan.o_dtype} {list(shape)} on {self._device} with a contiguous "
+            raise ValueError(f"run(): out must be {plan.o_dtype} {list(shape)} on {dev} with a contiguous "
                              f"last dim; got {out.dtype} {list(out.shape)} on {out.device}")
         if lse is None and return_lse:
-            lse = torch.empty(shape[:2], dtype=torch.float32, device=self._device)
+            lse = torch.empty(shape[:2], dtype=torch.float32, device=dev)
         elif lse is not None:
-            if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or tuple(lse.shape) != shape[:2] \
-                    or lse.device != self._device or not lse.is_contiguous():
+            if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != shape[:2] \
+                    or lse.device != dev or not lse.is_contiguous():
                 check_tensor("lse", lse)
                 raise ValueError(f"run(): lse must be a contiguous float32 {list(shape[:2])} tensor on "
-                                 f"{self._device}; got {lse.dtype} {list(lse.shape)}")
-        return out, lse
+                                 f"{dev}; got {lse.dtype} {list(lse.shape)}")
+        return out, lse, qs, os_
 
-    def _launch(self, plan: _Plan, q: torch.Tensor, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out, lse):
+    def _launch(self, plan: _Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out,
+                os_, lse) -> None:
         vals = plan.attn_values
         vals[0], vals[1], vals[2], vals[3] = q.data_ptr(), k_ptr, v_ptr, out.data_ptr()
         vals[4] = lse.data_ptr() if lse is not None else 0
-        vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = q.stride(0), q.stride(1), out.stride(0), out.stride(1)
+        vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = qs[0], qs[1], os_[0], os_[1]
         vals[_KV0], vals[_KV1] = stride0, stride1
         plan.attn(vals)
 
@@ -336,6 +341,9 @@ class _PagedMixin:
         return kv_lens, kvp[:-1], max_page
 
     def _check_cache(self, plan: _Plan, paged_kv_cache) -> PagedCache:
+        memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
+        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan:
+            return memo[2]
         cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
         if cache.k.dtype != plan.kv_dtype or cache.k.device != self._device or cache.page_size != plan.page_size \
                 or cache.num_kv_heads != plan.num_kv_heads or cache.head_dim != plan.head_dim:
@@ -346,6 +354,8 @@ class _PagedMixin:
         if plan.max_page >= cache.num_pages:
             raise ValueError(f"run(): the plan's page table uses page id {plan.max_page} but paged_kv_cache has "
                              f"{cache.num_pages} pages")
+        if isinstance(paged_kv_cache, torch.Tensor):  # a tuple is rebuilt by the caller each time: not memoized
+            self._cache_memo = (paged_kv_cache, plan, cache)
         return cache
 
 
@@ -412,12 +422,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         """q: [nnz_qo, H_q, D] -> out [nnz_qo, H_q, D] (and lse [nnz_qo, H_q], base 2, with return_lse)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                    window_left=-1 if window_left is None else window_left)
+        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
+                or window_left not in (None, -1):
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
         plan = self._current_plan()
         cache = self._check_cache(plan, paged_kv_cache)
-        out, lse = self._check_q_out(plan, q, out, lse, return_lse)
-        self._launch(plan, q, cache.k.data_ptr(), cache.v.data_ptr(), cache.stride_page, cache.stride_inner, out, lse)
+        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
         return (out, lse) if return_lse else out
 
     forward = run
@@ -478,12 +489,13 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         """q: [batch, H_q, D] -> out [batch, H_q, D] (and lse [batch, H_q], base 2, with return_lse)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks,
-                    window_left=-1 if window_left is None else window_left)
+        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
+                or window_left not in (None, -1):
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
         plan = self._current_plan()
         cache = self._check_cache(plan, paged_kv_cache)
-        out, lse = self._check_q_out(plan, q, out, lse, return_lse)
-        self._launch(plan, q, cache.k.data_ptr(), cache.v.data_ptr(), cache.stride_page, cache.stride_inner, out, lse)
+        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
         return (out, lse) if return_lse else out
 
     forward = run
@@ -557,8 +569,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                                  f"with a contiguous last dim, as planned; got {list(t.shape)} strides {t.stride()}")
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
-        out, lse = self._check_q_out(plan, q, out, lse, return_lse)
-        self._launch(plan, q, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, lse)
+        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        self._launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
         return (out, lse) if return_lse else out
 
     forward = run

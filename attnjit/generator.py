@@ -84,6 +84,7 @@ PARAMS: dict[str, ParamLayout] = {
         kv_stride_0: i64: paged: page stride; ragged: token stride
         kv_stride_1: i64: paged: slot stride (NHD) or head stride (HND); ragged: head stride
         num_qo_heads: i64: H_q
+        num_kv_heads: i64: H_kv
         sm_scale_log2: f64: sm_scale * log2(e)
     """)),
     "merge_two": ParamLayout(_p("""

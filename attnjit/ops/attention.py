@@ -239,13 +239,13 @@ class _AttentionWrapper:
                 self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
             grid_x = self._graph_grid
         else:
-            grid_x = work.num_items
-        plan.attn = dispatch.Launch(self._op, kernel, (grid_x, plan.num_kv_heads, 1), plan=plan.decision())
+            grid_x = work.num_items * plan.num_kv_heads
+        plan.attn = dispatch.Launch(self._op, kernel, (grid_x, 1, 1), plan=plan.decision())
         plan.attn_values = PARAMS["attention"].values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
             kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"], merge_counters=ptr["merge_counters"],
             q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0, kv_stride_1=0,
-            num_qo_heads=hq, sm_scale_log2=sm_scale * _LOG2E)
+            num_qo_heads=hq, num_kv_heads=plan.num_kv_heads, sm_scale_log2=sm_scale * _LOG2E)
 
     # --- run ----------------------------------------------------------------------------------------------
 

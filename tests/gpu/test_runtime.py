@@ -51,7 +51,7 @@ def test_records_built_then_memory_then_disk(private_cache):
     spec = attnjit.AttentionSpec.from_dict(json.loads(first.spec))
     assert spec.group_size == spec_group and spec.op == "decode"
     assert first.kernel.startswith("attnjit_attention_") and first.block[0] == 128
-    assert first.plan is not None and "split_kv" in first.plan and first.grid[1] == 8
+    assert first.plan is not None and "split_kv" in first.plan and first.grid[0] == first.plan["ctas"]
     assert (private_cache / first.key[:2] / first.key / "kernel.cubin").is_file()
     dispatch.clear_memory()  # a fresh process would find it on disk
     with attnjit.recording() as rec2:

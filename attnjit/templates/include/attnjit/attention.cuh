@@ -4,9 +4,9 @@
 //   * GQA packing: the GROUP query heads that share KV head `kv_head` are packed into the row dimension, so
 //     packed row r of a request is query token r / GROUP, query head kv_head * GROUP + r % GROUP. Every K/V
 //     byte loaded into shared memory serves the whole group.
-//   * A work item is (request, q tile of CTA_Q packed rows, KV range [kv_begin, kv_end)). blockIdx.y is the
-//     KV head; blockIdx.x walks the work list with stride gridDim.x (a fixed grid can serve any work list, which
-//     is what CUDA-graph replay needs).
+//   * A work item is (request, q tile of CTA_Q packed rows, KV range [kv_begin, kv_end)). CTAs walk the
+//     (item, KV head) pairs, item-major so the longest-first order of the list holds across heads, with stride
+//     gridDim.x (a fixed grid can serve any work list, which is what CUDA-graph replay needs).
 //   * A request whose history is split into chunks writes fp32 partial states (o, lse) to a workspace; the
 //     last CTA of each split group (an atomic ticket) merges the group's partials and writes the output, so a
 //     split costs no second launch. Unsplit requests write the output directly.
@@ -111,7 +111,8 @@ struct AttentionCTA {
 
   const P& p;
   uint8_t* smem;
-  const int lane, warp_q, warp_kv, kv_head;
+  const int lane, warp_q, warp_kv;
+  int kv_head;
   // the current work item
   int req, qo_len, kv_len, rows_total, packed_row0, kv_begin, kv_stop, num_tiles;
   int64_t q_begin, kv_base;  // kv_base: page-table offset (paged) or first kv token (ragged)
@@ -124,7 +125,7 @@ struct AttentionCTA {
         lane(threadIdx.x % 32),
         warp_q((threadIdx.x / 32) % Tr::NUM_WARPS_Q),
         warp_kv((threadIdx.x / 32) / Tr::NUM_WARPS_Q),
-        kv_head(blockIdx.y) {
+        kv_head(0) {
     const uint32_t x = lane & 7;
     q_row_off = (warp_q * Tr::WARP_ROWS + lane % 16) * Tr::ROW_BYTES;
     k_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + (lane / 16) * 8) * Tr::ROW_BYTES;
@@ -503,7 +504,7 @@ struct AttentionCTA {
     __threadfence();  // this CTA's partial writes, visible device-wide before the ticket
     __syncthreads();
     if (threadIdx.x == 0) {
-      int* counter = reinterpret_cast<int*>(p.merge_counters) + static_cast<int64_t>(group) * gridDim.y + kv_head;
+      int* counter = reinterpret_cast<int*>(p.merge_counters) + static_cast<int64_t>(group) * p.num_kv_heads + kv_head;
       last = atomicAdd(counter, 1) == nchunks - 1;
       if (last) *counter = 0;  // every chunk has taken its ticket: reset for the next run (graph replay)
     }
@@ -535,7 +536,7 @@ struct AttentionCTA {
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
       if (active) {
-#pragma unroll 4
+#pragma unroll 8
         for (int k = my_sub; k < nchunks; k += sub) {
           const int64_t row = (static_cast<int64_t>(pslot0) + static_cast<int64_t>(k) * qo_len + tok) * p.num_qo_heads + head;
           const float l = __ldcg(tmp_lse + row);
@@ -574,7 +575,8 @@ struct AttentionCTA {
 
   // ---- one work item --------------------------------------------------------------------------------------
 
-  __device__ __forceinline__ void run_item(int w, float scale2) {
+  __device__ __forceinline__ void run_item(int w, int head, float scale2) {
+    kv_head = head;
     if (!setup(w)) return;
     // commit groups, in order: page ids of tiles 0..2S-3 | Q | K/V of tiles 0..S-2 (prologue) | one per
     // iteration i: K/V of tile i+S-1 with the page ids of tile i+2S-2, so every page id lands S-1 iterations
@@ -625,10 +627,11 @@ template <typename Tr, typename P>
 __device__ __forceinline__ void attention_body(const P& p) {
   extern __shared__ __align__(128) uint8_t smem[];
   AttentionCTA<Tr, P> cta(p, smem);
-  const int num_work = *reinterpret_cast<const int32_t*>(p.work_count);  // device-side: graphs replay any plan
+  const int heads = static_cast<int>(p.num_kv_heads);
+  const int total = *reinterpret_cast<const int32_t*>(p.work_count) * heads;  // device-side: graphs replay any plan
   const float scale2 = static_cast<float>(p.sm_scale_log2);
-  for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-    cta.run_item(w, scale2);
+  for (int i = blockIdx.x; i < total; i += gridDim.x) {
+    cta.run_item(i / heads, i % heads, scale2);
     __syncthreads();  // shared memory is reused by the next item
   }
 }

@@ -504,8 +504,8 @@ class Cache:
         for base, key, entry, _problem in self.iter_entries([self.root]):
             d = self.entry_dir(base, key)
             size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-            try:
-                used = max((d / CUBIN).stat().st_atime, (d / CUBIN).stat().st_mtime)
+            try:  # last use = the cubin's mtime, which touch() sets on every load (reading it for the
+                used = (d / CUBIN).stat().st_mtime  # sha256 check moves only the atime)
             except OSError:
                 used = 0.0
             items.append((entry is not None, used, size, d, key))

@@ -249,16 +249,20 @@ class Rendered:
 
 
 _INCLUDE_RE = re.compile(r'^[ \t]*#include[ \t]+"(attnjit/[^"]+)"[ \t]*$', re.M)
+SOURCE_NAME = "kernel.cu"  # the rendered source's file name, in the cache entry and in nvcc's messages
 
 
-def _inline_includes(text: str, origin: str, seen: set[str]) -> str:
-    """Replace ``#include "attnjit/x.cuh"`` by the header's text (once each, like #pragma once)."""
+def _inline_includes(text: str, origin: str | None, seen: set[str]) -> str:
+    """Replace ``#include "attnjit/x.cuh"`` by the header's text (once each, like #pragma once).
+
+    ``#line`` directives keep nvcc's messages exact: header lines report as ``attnjit/x.cuh:N``; template code
+    (origin None) reports as its own line of the rendered file, ``kernel.cu:N``, the file the cache keeps.
+    """
     out: list[str] = []
     pos = 0
     for m in _INCLUDE_RE.finditer(text):
         out.append(text[pos:m.start()])
         name = m.group(1)
-        line_after = text.count("\n", 0, m.end()) + 2
         if name not in seen:
             seen.add(name)
             header = (INCLUDE_DIR / name).read_text(encoding="utf-8")
@@ -266,7 +270,10 @@ def _inline_includes(text: str, origin: str, seen: set[str]) -> str:
             out.append(f'#line 1 "{name}"\n')
             body = _inline_includes(header, name, seen)
             out.append(body if body.endswith("\n") else body + "\n")
-            out.append(f'#line {line_after} "{origin}"')
+            if origin is None:  # back in the rendered file: the next line's number in the final output
+                out.append(f'#line {"".join(out).count(chr(10)) + 2} "{SOURCE_NAME}"')
+            else:
+                out.append(f'#line {text.count(chr(10), 0, m.end()) + 2} "{origin}"')
         else:
             out.append(f"// {name}: already included")
         pos = m.end()
@@ -315,5 +322,5 @@ def render(spec: AttentionSpec) -> Rendered:
     template_name = _TEMPLATE[spec.op]
     ctx, kernels = _context(spec)
     text = _environment().get_template(template_name).render(**ctx)
-    source = _inline_includes(text, template_name, set())
+    source = _inline_includes(text, None, set())
     return Rendered(spec=spec, source=source, kernels=kernels, template=template_name)

@@ -54,6 +54,13 @@ class _Plan:
         return self.work.decision(self.num_kv_heads)
 
 
+def _check_causal(qo: list[int], kv_lens: list[int]) -> None:
+    for i, kv in enumerate(kv_lens):
+        if qo[i + 1] - qo[i] > kv:
+            raise ValueError(f"request {i} has {qo[i + 1] - qo[i]} query rows but a KV length of {kv}; with "
+                             "causal=True the KV length must include the query tokens (qo_len <= kv_len)")
+
+
 def _arch_for(device: torch.device) -> str:
     if device.type == "cuda":
         return dispatch.device_arch(device)
@@ -106,6 +113,14 @@ class _AttentionWrapper:
         return self._plan.decision() if self._plan else None
 
     # --- plan ---------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> int:
+        group = check_heads(num_qo_heads, num_kv_heads)
+        check_head_dim("head_dim_qk", head_dim_qk)
+        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
+            raise ValueError(f"head_dim_vo={head_dim_vo} must equal head_dim_qk={head_dim_qk} (not supported yet)")
+        return group
 
     def _dtypes(self, q_data_type, kv_data_type, o_data_type) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         q_dtype = as_dtype(q_data_type, "q_data_type")
@@ -302,6 +317,24 @@ _KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
 
 
 class _PagedMixin:
+    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
+            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+        """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
+        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout."""
+        if args:
+            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
+        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
+                or window_left not in (None, -1):
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
+        plan = self._current_plan()
+        cache = self._check_cache(plan, paged_kv_cache)
+        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
+        return (out, lse) if return_lse else out
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return self.run(*args, **kwargs)
+
     def _paged_metadata(self, *, indptr, indices, last_page_len, page_size: int, batch: int,
                         names: tuple[str, str, str]) -> tuple[list[int], list[int], int]:
         """Validate the page table; return (kv lengths, page-table offsets, largest page id)."""
@@ -386,10 +419,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                     pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
                     window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
                     rope_theta=rope_theta, **unused)
-        group = check_heads(num_qo_heads, num_kv_heads)
-        check_head_dim("head_dim_qk", head_dim_qk)
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            raise ValueError(f"head_dim_vo={head_dim_vo} must equal head_dim_qk={head_dim_qk} (not supported yet)")
+        group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         check_page_size(page_size)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
         check_metadata("qo_indptr", qo_indptr, self._device)
@@ -403,10 +433,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
             page_size=page_size, batch=batch,
             names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
         if causal:
-            for i in range(batch):
-                if qo[i + 1] - qo[i] > kv_lens[i]:
-                    raise ValueError(f"request {i} has {qo[i + 1] - qo[i]} query rows but a KV length of {kv_lens[i]}; "
-                                     "with causal=True the KV length must include the query tokens (qo_len <= kv_len)")
+            _check_causal(qo, kv_lens)
         spec = AttentionSpec(op="prefill", head_dim=head_dim_qk, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", layout=self._kv_layout, kv="paged",
@@ -417,21 +444,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                           tables={"kv_indices": paged_kv_indices}, fixed_split_size=fixed_split_size,
                           disable_split_kv=disable_split_kv)
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
-        """q: [nnz_qo, H_q, D] -> out [nnz_qo, H_q, D] (and lse [nnz_qo, H_q], base 2, with return_lse)."""
-        if args:
-            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
-                or window_left not in (None, -1):
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
-        plan = self._current_plan()
-        cache = self._check_cache(plan, paged_kv_cache)
-        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
-        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
-        return (out, lse) if return_lse else out
-
-    forward = run
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
@@ -484,21 +496,6 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                           sm_scale=sm_scale, max_page=max_page, total_kv=0, tables={"kv_indices": indices},
                           fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
 
-    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
-        """q: [batch, H_q, D] -> out [batch, H_q, D] (and lse [batch, H_q], base 2, with return_lse)."""
-        if args:
-            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
-                or window_left not in (None, -1):
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
-        plan = self._current_plan()
-        cache = self._check_cache(plan, paged_kv_cache)
-        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
-        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
-        return (out, lse) if return_lse else out
-
-    forward = run
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
@@ -527,10 +524,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                     pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
                     window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
                     rope_theta=rope_theta, **unused)
-        group = check_heads(num_qo_heads, num_kv_heads)
-        check_head_dim("head_dim_qk", head_dim_qk)
-        if head_dim_vo is not None and head_dim_vo != head_dim_qk:
-            raise ValueError(f"head_dim_vo={head_dim_vo} must equal head_dim_qk={head_dim_qk} (not supported yet)")
+        group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
         check_metadata("qo_indptr", qo_indptr, self._device)
         if qo_indptr.numel() < 1:
@@ -542,10 +536,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         check_indptr("kv_indptr", kvp)
         kv_lens = [kvp[i + 1] - kvp[i] for i in range(batch)]
         if causal:
-            for i in range(batch):
-                if qo[i + 1] - qo[i] > kv_lens[i]:
-                    raise ValueError(f"request {i} has {qo[i + 1] - qo[i]} query rows but a KV length of {kv_lens[i]}; "
-                                     "with causal=True the KV length must include the query tokens (qo_len <= kv_len)")
+            _check_causal(qo, kv_lens)
         spec = AttentionSpec(op="prefill", head_dim=head_dim_qk, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", kv="ragged", group_size=group,

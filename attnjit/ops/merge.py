@@ -35,20 +35,26 @@ def _check_v(name: str, v, dim: int, device=None) -> torch.Tensor:
     return v
 
 
-def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
-                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
-    _check_v("v_a", v_a, 3)
+def _check_pair(names: tuple[str, str, str, str], v_a, s_a, v_b, s_b) -> None:
+    """Two states (v [seq, H, D] fp16/bf16, s [seq, H] float32) of one shape, dtype and device."""
+    _check_v(names[0], v_a, 3)
     dev = v_a.device
-    _check_v("v_b", v_b, 3, dev)
+    _check_v(names[2], v_b, 3, dev)
     if v_b.shape != v_a.shape or v_b.dtype != v_a.dtype:
-        raise ValueError(f"v_b must match v_a ({v_a.dtype} {list(v_a.shape)}), got {v_b.dtype} {list(v_b.shape)}")
-    for name, s in (("s_a", s_a), ("s_b", s_b)):
+        raise ValueError(f"{names[2]} must match {names[0]} ({v_a.dtype} {list(v_a.shape)}), got {v_b.dtype} "
+                         f"{list(v_b.shape)}")
+    for name, s in ((names[1], s_a), (names[3], s_b)):
         check_tensor(name, s, dtype=torch.float32, dim=2, device=dev)
         if tuple(s.shape) != tuple(v_a.shape[:2]):
             raise ValueError(f"{name} must be [seq, H] = {list(v_a.shape[:2])}, got {list(s.shape)}")
+
+
+def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
+                s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
+    _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
     v = torch.empty_like(v_a, memory_format=torch.contiguous_format)
-    s = torch.empty(v_a.shape[:2], dtype=torch.float32, device=dev)
+    s = torch.empty(v_a.shape[:2], dtype=torch.float32, device=v_a.device)
     _merge_two(v_a, s_a, v_b, s_b, v, s, None)
     return v, s
 
@@ -56,17 +62,9 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
 def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                          mask: torch.Tensor | None = None) -> None:
     """(v, s) <- merge((v, s), (v_other, s_other)) for rows where mask (bool [seq], default all) is true."""
-    _check_v("v", v, 3)
-    dev = v.device
-    _check_v("v_other", v_other, 3, dev)
-    if v_other.shape != v.shape or v_other.dtype != v.dtype:
-        raise ValueError(f"v_other must match v ({v.dtype} {list(v.shape)}), got {v_other.dtype} {list(v_other.shape)}")
-    for name, t in (("s", s), ("s_other", s_other)):
-        check_tensor(name, t, dtype=torch.float32, dim=2, device=dev)
-        if tuple(t.shape) != tuple(v.shape[:2]):
-            raise ValueError(f"{name} must be [seq, H] = {list(v.shape[:2])}, got {list(t.shape)}")
+    _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
     if mask is not None:
-        check_tensor("mask", mask, dtype=torch.bool, dim=1, device=dev)
+        check_tensor("mask", mask, dtype=torch.bool, dim=1, device=v.device)
         if mask.shape[0] != v.shape[0] or not mask.is_contiguous():
             raise ValueError(f"mask must be a contiguous bool [seq={v.shape[0]}] tensor, got {list(mask.shape)}")
     _merge_two(v, s, v_other, s_other, v, s, mask)

@@ -138,6 +138,20 @@ def test_single_prefill_and_decode():
         assert_close(od, ref_o[0], torch.float16)
 
 
+def _replay(graph, w, q_buf, cache, out_buf):
+    """Capture w.run into a graph the first time (after a warm-up run), then replay it into a poisoned out_buf."""
+    if graph is None:
+        w.run(q_buf, cache, out=out_buf)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w.run(q_buf, cache, out=out_buf)
+    out_buf.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
 def _graph_pool(page_size, pages, dtype):
     return torch.randn(pages, 2, page_size, 8, 128, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEV)
 
@@ -176,15 +190,7 @@ def test_cuda_graph_decode_replays_after_replan(workspace):
         decisions.append(w.last_plan["split_kv"])
         q = torch.randn(batch, 32, 128, generator=torch.Generator().manual_seed(100 + step)).to(dtype).to(DEV)
         q_buf.copy_(q)
-        if graph is None:
-            w.run(q_buf, cache, out=out_buf)  # warm-up outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                w.run(q_buf, cache, out=out_buf)
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = _replay(graph, w, q_buf, cache, out_buf)
         ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=ps)
         assert_close(out_buf, ref, dtype, what=f"replay {step}")
     assert decisions[1] and not decisions[0], "the second plan should split (long history), the first not"
@@ -208,15 +214,7 @@ def test_cuda_graph_prefill_replays_after_replan(workspace):
                causal=True, q_data_type=dtype)
         q = torch.randn(total, 32, 128, generator=torch.Generator().manual_seed(200 + step)).to(dtype).to(DEV)
         q_buf.copy_(q)
-        if graph is None:
-            w.run(q_buf, cache, out=out_buf)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                w.run(q_buf, cache, out=out_buf)
-        out_buf.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = _replay(graph, w, q_buf, cache, out_buf)
         ref, _ = reference.batch_paged(q, cache, qo_indptr, indptr, indices, last, page_size=ps, causal=True)
         assert_close(out_buf, ref, dtype, what=f"replay {step}")
 

@@ -26,10 +26,12 @@ _EXPORTS = {
     "AttnjitError": "errors", "CacheError": "errors", "CacheMissError": "errors", "CacheReadOnlyError": "errors",
     "CatalogError": "errors", "CompileError": "errors", "LockTimeoutError": "errors", "NoGPUError": "errors",
     "NvccNotFoundError": "errors", "UnsafeCacheError": "errors",
+    "Variant": "variants", "TensorParam": "variants",
 }
-_MODULES = ("reference", "specs", "generator", "cache", "jit", "dispatch", "knobs", "errors", "toolchain", "ops")
+_MODULES = ("reference", "specs", "generator", "cache", "jit", "dispatch", "knobs", "errors", "toolchain", "ops",
+            "variants")
 
-__all__ = sorted(_EXPORTS) + ["reference"]
+__all__ = sorted(_EXPORTS) + ["reference", "variants"]
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 from . import knobs
 from .cache import Cache, touch
 from .errors import NoGPUError
-from .generator import PARAMS, KernelInfo, ParamLayout, render
+from .generator import KernelInfo, ParamLayout, render
 from .jit import Binary, ensure
 from .specs import AttentionSpec
 
@@ -184,7 +184,7 @@ class Kernel:
     def __init__(self, module: Module, info: KernelInfo, fn):
         self.module, self.info, self.fn = module, info, fn
         self.ptr = fn.ptr
-        self.layout: ParamLayout = PARAMS[info.params]
+        self.layout: ParamLayout = info.layout
 
     def occupancy(self, threads: int | None = None, smem: int | None = None) -> int:
         import cupy

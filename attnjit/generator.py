@@ -16,6 +16,7 @@ from pathlib import Path
 import jinja2
 
 from .specs import AttentionSpec
+from .variants import TENSOR_DTYPES, TensorParam, Variant
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INCLUDE_DIR = TEMPLATE_DIR / "include"
@@ -152,6 +153,24 @@ PARAMS: dict[str, ParamLayout] = {
 }
 
 
+def variant_param_name(name: str) -> str:
+    """A variant parameter's field in the kernel's parameter struct."""
+    return f"v_{name}"
+
+
+@functools.lru_cache(maxsize=256)
+def attention_layout(variant: Variant | None) -> ParamLayout:
+    """PARAMS["attention"], plus one 8-byte field per variant parameter (scalars widened to double/int64)."""
+    if variant is None:
+        return PARAMS["attention"]
+    extra = []
+    for part in variant.parts:
+        for name, kind in part.params:
+            k = "ptr" if isinstance(kind, TensorParam) else ("f64" if kind is float else "i64")
+            extra.append(Param(variant_param_name(name), k, f"variant {part.name}: {name}"))
+    return ParamLayout(list(PARAMS["attention"].fields) + extra)
+
+
 # --- tile configurations ---------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -236,7 +255,7 @@ class KernelInfo:
     name: str
     threads: int
     smem: int
-    params: str  # key into PARAMS
+    layout: ParamLayout  # the kernel's parameter struct
     tile: Tile | None = None
 
 
@@ -293,27 +312,62 @@ def _environment() -> jinja2.Environment:
     )
 
 
+def _variant_context(variant: Variant) -> dict:
+    """What _variant.jinja needs: each part's parameters (type, name, initializer) and hook snippets."""
+    parts = []
+    for part in variant.parts:
+        params = []
+        for name, kind in part.params:
+            field_ = f"params.{variant_param_name(name)}"
+            if isinstance(kind, TensorParam):
+                params.append({"name": name, "ctype": kind.ctype,
+                               "init": f"reinterpret_cast<{kind.ctype}>({field_})"})
+            else:
+                ctype = "float" if kind is float else "int"
+                params.append({"name": name, "ctype": ctype, "init": f"static_cast<{ctype}>({field_})"})
+        hooks = [{"name": h, "snippet": snippet} for h, snippet in part.hooks]
+        parts.append({"name": part.name, "params": params, "hooks": hooks, "hook_names": [h for h, _ in part.hooks]})
+    return {"parts": parts, "hooks": sorted({h for p in variant.parts for h, _ in p.hooks}),
+            "use_softmax": variant.use_softmax}
+
+
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
     cpp_bool = lambda b: "true" if b else "false"  # noqa: E731
-    ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": {k: v.fields for k, v in PARAMS.items()}}
+    layout = attention_layout(spec.variant) if spec.op in ("prefill", "decode") else None
+    params = {k: v.fields for k, v in PARAMS.items()}
+    if layout is not None:
+        params["attention"] = layout.fields
+    ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": params}
     kernels: dict[str, KernelInfo] = {}
     if spec.op in ("prefill", "decode"):
         tiles = tiles_for(spec)
         ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_qk,
                    group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
                    paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
-                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles)
+                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles,
+                   variant=_variant_context(spec.variant) if spec.variant is not None else None)
         for t in tiles:
-            kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, "attention", t)
+            kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, layout, t)
     elif spec.op == "merge_state":
         ctx.update(ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_vo, block=128)
-        kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, "merge_two")
-        kernels["attnjit_merge_states"] = KernelInfo("attnjit_merge_states", 128, 0, "merge_many")
+        kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, PARAMS["merge_two"])
+        kernels["attnjit_merge_states"] = KernelInfo("attnjit_merge_states", 128, 0, PARAMS["merge_many"])
     elif spec.op == "append_kv":
         ctx.update(ctype_kv=_CTYPE[spec.dtype_kv], head_dim=spec.head_dim_qk, page_size=spec.page_size,
                    hnd=cpp_bool(spec.layout == "HND"), block=128)
-        kernels["attnjit_append_kv"] = KernelInfo("attnjit_append_kv", 128, 0, "append")
+        kernels["attnjit_append_kv"] = KernelInfo("attnjit_append_kv", 128, 0, PARAMS["append"])
     return ctx, kernels
+
+
+def _return_lines(source: str) -> str:
+    """`#line ATTNJIT_RETURN` (after a variant snippet) -> back to kernel.cu at the next line's real number."""
+    if "#line ATTNJIT_RETURN" not in source:
+        return source
+    lines = source.split("\n")
+    for i, line in enumerate(lines):
+        if line == "#line ATTNJIT_RETURN":
+            lines[i] = f'#line {i + 2} "{SOURCE_NAME}"'
+    return "\n".join(lines)
 
 
 @functools.lru_cache(maxsize=512)
@@ -322,5 +376,5 @@ def render(spec: AttentionSpec) -> Rendered:
     template_name = _TEMPLATE[spec.op]
     ctx, kernels = _context(spec)
     text = _environment().get_template(template_name).render(**ctx)
-    source = _inline_includes(text, None, set())
+    source = _return_lines(_inline_includes(text, None, set()))
     return Rendered(spec=spec, source=source, kernels=kernels, template=template_name)

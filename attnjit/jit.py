@@ -6,6 +6,7 @@ parallel, failures reported per spec).
 
 from __future__ import annotations
 
+import re
 import shlex
 import time
 from dataclasses import dataclass
@@ -13,10 +14,34 @@ from typing import Callable, Sequence
 
 from . import knobs
 from .cache import BuildResult, Cache, Entry, Job
-from .errors import CacheMissError
+from .errors import CacheMissError, CompileError
 from .generator import render
 from .specs import AttentionSpec
 from .toolchain import flags_for, nvcc
+from .variants import HOOK_VARIABLES
+
+_SNIPPET_ERROR = re.compile(r'variant (\w+): (\w+)\((\d+)\): error: (.*)')
+_UNDEFINED = re.compile(r'identifier "(\w+)" is undefined')
+
+
+def explain(error: CompileError) -> CompileError:
+    """Point a failure inside a variant's snippet at the variant, the hook and the snippet's line, and for an
+    unknown name list the names the hook can use."""
+    spec = error.spec
+    if not isinstance(spec, AttentionSpec) or spec.variant is None:
+        return error
+    m = _SNIPPET_ERROR.search(error.log)
+    if not m:
+        return error
+    part_name, hook, line, what = m.groups()
+    first = f"variant {part_name!r}, {hook} line {line}: {what}"
+    undefined = _UNDEFINED.search(what)
+    if undefined:
+        part = next((p for p in spec.variant.parts if p.name == part_name), None)
+        params = [n for n, _ in part.params] if part is not None else []
+        first += (f" (names {hook} can use: {', '.join(HOOK_VARIABLES.get(hook, ()))}; parameters: "
+                  f"{', '.join(params) or 'none'})")
+    return CompileError(spec, error.name, first, error.log_path, error.log)
 
 
 def job_for(spec: AttentionSpec) -> Job:
@@ -51,7 +76,7 @@ def ensure(spec: AttentionSpec, cache: Cache | None = None) -> Binary:
     (result,) = cache.build([job])
     if result.status == "failed":
         assert result.error is not None
-        raise result.error
+        raise explain(result.error)
     assert result.entry is not None
     compile_ms = result.seconds * 1e3 if result.status == "built" and result.seconds is not None else None
     return Binary(spec, result.entry, "built" if result.status == "built" else "disk", compile_ms,
@@ -62,4 +87,8 @@ def warm(specs: Sequence[AttentionSpec], cache: Cache | None = None, *, parallel
          progress: Callable[[str], None] | None = None) -> list[BuildResult]:
     """Build every spec that is not cached yet; one result per spec, in order."""
     cache = cache or Cache()
-    return cache.build([job_for(s) for s in specs], parallel=parallel, progress=progress)
+    results = cache.build([job_for(s) for s in specs], parallel=parallel, progress=progress)
+    for r in results:
+        if r.error is not None:
+            r.error = explain(r.error)
+    return results

@@ -8,6 +8,8 @@ j <= K - Q + i); GQA query head h reads KV head h // (H_q // H_kv).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -35,23 +37,68 @@ def causal_visible(qo_len: int, kv_len: int) -> torch.Tensor:
     return j <= kv_len - qo_len + i
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Positions:
+    """What a variant's hooks see, for one request: q_pos [Q] (logical: kv_len - qo_len + i), kv_pos [K],
+    head [H_q] (query head indices), batch_idx, qo_len, kv_len."""
+
+    q_pos: torch.Tensor
+    kv_pos: torch.Tensor
+    head: torch.Tensor
+    batch_idx: int
+    qo_len: int
+    kv_len: int
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """A variant written as plain torch (tests write these independently of the CUDA snippets). Each gets the
+    tensor and a Positions: query(q [Q, H, D]), logits(l [H, Q, K], l = sm_scale * q.k), mask (-> bool
+    broadcastable to [H, Q, K]), output(o [Q, H, D]); use_softmax=False makes the transformed logits the weights."""
+
+    query: Callable | None = None
+    logits: Callable | None = None
+    mask: Callable | None = None
+    output: Callable | None = None
+    use_softmax: bool = True
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sm_scale: float | None = None,
+              hooks: Hooks | None = None, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """One request. q: [Q, H_q, D], k/v: [K, H_kv, D] -> o [Q, H_q, D] (float64), lse [Q, H_q] (base 2)."""
     qo_len, h_q, dim = q.shape
     kv_len, h_kv = k.shape[0], k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(dim)
     group = h_q // h_kv
+    dev = q.device
+    pos = Positions(q_pos=torch.arange(qo_len, device=dev) + (kv_len - qo_len), kv_pos=torch.arange(kv_len, device=dev),
+                    head=torch.arange(h_q, device=dev), batch_idx=batch_idx, qo_len=qo_len, kv_len=kv_len)
+    hooks = hooks or Hooks()
     q64 = q.double()
+    if hooks.query is not None:
+        q64 = hooks.query(q64, pos).double()
     k64 = k.double().repeat_interleave(group, dim=1)  # reference only: the kernels never copy KV heads
     v64 = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * scale  # [H_q, Q, K]
+    if hooks.logits is not None:
+        scores = hooks.logits(scores, pos).double()
+    visible = torch.ones_like(scores, dtype=torch.bool)
     if causal:
-        scores = scores.masked_fill(~causal_visible(qo_len, kv_len).to(scores.device)[None], -math.inf)
-    lse_e = torch.logsumexp(scores, dim=-1)  # [H_q, Q]; -inf where nothing is visible
-    probs = torch.exp(scores - lse_e[..., None].clamp_min(-1e300))  # a fully masked row: exp(-inf) = 0
-    o = torch.einsum("hqk,khd->qhd", probs, v64)
-    return o, (lse_e / LN2).transpose(0, 1)
+        visible = visible & causal_visible(qo_len, kv_len).to(dev)[None]
+    if hooks.mask is not None:
+        visible = visible & hooks.mask(pos).to(dev)
+    if not hooks.use_softmax:
+        o = torch.einsum("hqk,khd->qhd", torch.where(visible, scores, torch.zeros_like(scores)), v64)
+        lse = torch.zeros(qo_len, h_q, dtype=torch.float64, device=dev)
+    else:
+        scores = scores.masked_fill(~visible, -math.inf)
+        lse_e = torch.logsumexp(scores, dim=-1)  # [H_q, Q]; -inf where nothing is visible
+        probs = torch.exp(scores - lse_e[..., None].clamp_min(-1e300))  # a fully masked row: exp(-inf) = 0
+        o = torch.einsum("hqk,khd->qhd", probs, v64)
+        lse = (lse_e / LN2).transpose(0, 1)
+    if hooks.output is not None:
+        o = hooks.output(o, pos).double()
+    return o, lse
 
 
 def gather_pages(cache_k: torch.Tensor, page_ids: list[int], kv_len: int, layout: str) -> torch.Tensor:
@@ -70,7 +117,7 @@ def split_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batch_paged(q: torch.Tensor, paged_kv_cache, qo_indptr: list[int], kv_indptr: list[int], kv_indices: list[int],
                 last_page_len: list[int], *, page_size: int, causal: bool, layout: str = "NHD",
-                sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                sm_scale: float | None = None, hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch attention over a paged cache. q: [nnz, H_q, D] -> (o [nnz, H_q, D], lse [nnz, H_q]) in float64."""
     ck, cv = split_cache(paged_kv_cache)
     o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
@@ -83,12 +130,13 @@ def batch_paged(q: torch.Tensor, paged_kv_cache, qo_indptr: list[int], kv_indptr
         ids = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
         k = gather_pages(ck, ids, lengths[i], layout)
         v = gather_pages(cv, ids, lengths[i], layout)
-        o[a:b], lse[a:b] = attention(q[a:b], k, v, causal=causal, sm_scale=sm_scale)
+        o[a:b], lse[a:b] = attention(q[a:b], k, v, causal=causal, sm_scale=sm_scale, hooks=hooks, batch_idx=i)
     return o, lse
 
 
 def batch_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int], kv_indptr: list[int], *,
-                 causal: bool, sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 causal: bool, sm_scale: float | None = None,
+                 hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch attention over ragged K/V [nnz_kv, H_kv, D]."""
     o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
@@ -97,17 +145,18 @@ def batch_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: l
         if a == b:
             continue
         ka, kb = kv_indptr[i], kv_indptr[i + 1]
-        o[a:b], lse[a:b] = attention(q[a:b], k[ka:kb], v[ka:kb], causal=causal, sm_scale=sm_scale)
+        o[a:b], lse[a:b] = attention(q[a:b], k[ka:kb], v[ka:kb], causal=causal, sm_scale=sm_scale, hooks=hooks,
+                                     batch_idx=i)
     return o, lse
 
 
 def batch_decode(q: torch.Tensor, paged_kv_cache, kv_indptr: list[int], kv_indices: list[int],
                  last_page_len: list[int], *, page_size: int, layout: str = "NHD",
-                 sm_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float | None = None, hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query row per request. q: [B, H_q, D]."""
     qo_indptr = list(range(q.shape[0] + 1))
     return batch_paged(q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size=page_size,
-                       causal=False, layout=layout, sm_scale=sm_scale)
+                       causal=False, layout=layout, sm_scale=sm_scale, hooks=hooks)
 
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from .errors import CatalogError
+from .variants import Variant, resolve as resolve_variant
 
 OPS = ("prefill", "decode", "merge_state", "append_kv")
 HEAD_DIMS = (64, 128, 256)
@@ -36,9 +37,9 @@ _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 # that does not change its kernel, so two specs that compile to the same code are equal.
 _FIELDS_BY_OP = {
     "prefill": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "mask", "layout",
-                "kv", "group_size"},
+                "kv", "group_size", "variant"},
     "decode": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "layout", "kv",
-               "group_size"},
+               "group_size", "variant"},
     "merge_state": {"head_dim_vo", "dtype_o"},
     "append_kv": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_kv", "layout"},
 }
@@ -83,6 +84,7 @@ class AttentionSpec:
     layout: str | None = None          # NHD | HND page layout (paged KV only)
     kv: str | None = None              # paged | ragged (attention ops)
     group_size: int | None = None      # H_q / H_kv, fused into one CTA
+    variant: Variant | None = None     # custom attention (attnjit.Variant, or its "module:attribute")
     arch: str = DEFAULT_ARCH           # nvcc target, e.g. sm_90a
     head_dim: InitVar[int | None] = None
     dtype: InitVar[str | None] = None
@@ -92,6 +94,16 @@ class AttentionSpec:
         if self.op not in OPS:
             raise SpecError("op", self.op, f"expected one of {', '.join(OPS)}")
         used = _FIELDS_BY_OP[self.op]
+        if isinstance(self.variant, str):
+            if "@" in self.variant:
+                raise SpecError("variant", self.variant, "this variant is not importable (it was not declared at "
+                                "module level of an importable module); catalogs name variants as module:attribute")
+            try:
+                set_("variant", resolve_variant(self.variant))
+            except ValueError as exc:
+                raise SpecError("variant", self.variant, str(exc)) from None
+        elif self.variant is not None and not isinstance(self.variant, Variant):
+            raise SpecError("variant", self.variant, "expected an attnjit.Variant or its 'module:attribute'")
         if head_dim is not None:
             for name in ("head_dim_qk", "head_dim_vo"):
                 if name in used:
@@ -177,9 +189,12 @@ class AttentionSpec:
     # --- canonical form ---------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """Fields that are set, in declaration order."""
-        return {f.name: getattr(self, f.name) for f in fields(self)
-                if getattr(self, f.name) is not None and not (f.name == "mask" and self.op not in ("prefill",))}
+        """Fields that are set, in declaration order (a variant by its module:attribute, or name@digest)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if getattr(self, f.name) is not None and not (f.name == "mask" and self.op not in ("prefill",))}
+        if self.variant is not None:
+            out["variant"] = self.variant.canonical()
+        return out
 
     def canonical(self) -> str:
         """The one serialized form: compact JSON, fields in declaration order, unset fields omitted."""
@@ -230,6 +245,8 @@ class AttentionSpec:
             parts.append(f"o{self.dtype_o}")
         if self.layout:
             parts.append(self.layout)
+        if self.variant is not None:
+            parts.append(f"v{self.variant.name}")
         parts.append(self.arch)
         return "-".join(str(p) for p in parts)
 

@@ -149,6 +149,67 @@ def bench_prefill(fi, rows, results, sdpa: bool = True):
         torch.cuda.empty_cache()
 
 
+NOOP = attnjit.Variant("noop", logits_transform="return logit;")
+# (feature, plan() arguments, run() arguments, FlashInfer plan() arguments or None)
+VARIANT_ROWS = [("default", {}, {}, {}), ("noop variant", {}, {}, None),
+                ("soft-cap 30", {"logits_soft_cap": 30.0}, {}, {"logits_soft_cap": 30.0}),
+                ("window 1024", {"window_left": 1024}, {}, {"window_left": 1024}),
+                ("ALiBi", {"pos_encoding_mode": "ALIBI"}, {}, None)]
+
+
+def bench_variants(fi, results) -> None:
+    """Cost of each built-in on a decode and a prefill row, against the default kernel and FlashInfer's feature."""
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for op, (batch, length) in (("decode", (64, 4096)), ("prefill", (8, 2048))):
+        indptr, indices, last, cache = paged_tables(batch, length, seed=2)
+        nq = batch if op == "decode" else batch * length
+        q = torch.randn(nq, H_Q, D, dtype=DT, device="cuda")
+        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        for feature, plan_kw, run_kw, fi_kw in VARIANT_ROWS:
+            row = {"op": f"{op} variants", "shape": f"{batch}x{length}", "feature": feature}
+            variant = NOOP if feature == "noop variant" else None
+            if op == "decode":
+                w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, variant=variant)
+                w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, **plan_kw)
+            else:
+                w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, variant=variant)
+                w.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT, **plan_kw)
+            row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out, **run_kw))
+            if fi is not None and fi_kw is not None:
+                try:
+                    if op == "decode":
+                        fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
+                        fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT, **fi_kw)
+                    else:
+                        fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws_fi(), "NHD", backend="fa2")
+                        fw.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT,
+                                kv_data_type=DT, **fi_kw)
+                    fout = torch.empty_like(q)
+                    row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
+                    row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
+                except Exception as exc:  # noqa: BLE001
+                    row["flashinfer_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            results.append(row)
+        del cache
+        torch.cuda.empty_cache()
+
+
+def variant_table(rows) -> str:
+    lines = ["| op | shape | feature | attnjit ms | vs attnjit default | FlashInfer ms | attnjit / FlashInfer |",
+             "|---|---|---|---|---|---|---|"]
+    base = {}
+    for r in rows:
+        key = (r["op"], r["shape"])
+        base.setdefault(key, r["attnjit_ms"])
+        f = r.get("flashinfer_ms")
+        fi_ms = f"{f:.4f}" if f else r.get("flashinfer_error", "-")[:40]
+        ratio = f"{f / r['attnjit_ms']:.2f}" if f else "-"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['feature']} | {r['attnjit_ms']:.4f} | "
+                     f"{r['attnjit_ms'] / base[key]:.3f} | {fi_ms} | {ratio} |")
+    return "\n".join(lines)
+
+
 # Prefill tile variants tried by --sweep: (warps_q, warps_kv, mma_q, mma_kv, stages, min_blocks)
 SWEEP = [(4, 1, 2, 4, 2, 1), (4, 1, 2, 2, 2, 2), (8, 1, 1, 4, 2, 1), (8, 1, 1, 2, 2, 1), (4, 1, 1, 4, 2, 2),
          (4, 1, 1, 4, 3, 2)]
@@ -198,7 +259,7 @@ def table(results) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decode", "prefill"])
+    ap.add_argument("--only", choices=["decode", "prefill", "variants"])
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
@@ -215,13 +276,19 @@ def main() -> int:
         bench_decode(fi, DECODE_ROWS, results)
     if args.only in (None, "prefill"):
         bench_prefill(fi, PREFILL_ROWS, results)
+    variant_rows: list[dict] = []
+    if args.only in (None, "variants"):
+        bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d")}
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": results, "variants": variant_rows}, indent=1))
     print(json.dumps(meta))
-    print(table(results))
+    if results:
+        print(table(results))
+    if variant_rows:
+        print(variant_table(variant_rows))
     return 0
 
 

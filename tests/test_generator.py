@@ -178,7 +178,7 @@ def test_param_struct_field_order_matches_the_generator(spec):
     rendered = render(spec)
     for name, info in rendered.kernels.items():
         struct = next(m.group(4) for m in _KERNEL_RE.finditer(rendered.source) if m.group(3) == name)
-        layout = PARAMS[info.params]
+        layout = info.layout
         assert parse_struct(rendered.source, struct) == [(f.ctype, f.name) for f in layout.fields], name
         # 8-byte fields and a packed struct: no padding between what Python packs and what CUDA reads
         assert layout.size == 8 * len(layout.fields)

@@ -247,8 +247,14 @@ PAGED_BAD = {
     "page_size 3": (dict(page_size=3), ValueError, r"page_size=3 is not supported: expected a power of two"),
     "page_size 256": (dict(page_size=256), ValueError, r"page_size=256 is not supported"),
     "sm_scale negative": (dict(sm_scale=-1.0), ValueError, r"sm_scale must be a positive finite number, got -1.0"),
-    "soft cap": (dict(logits_soft_cap=30.0), NotImplementedError, r"logits_soft_cap=30.0 is not supported yet"),
-    "sliding window": (dict(window_left=128), NotImplementedError, r"window_left=128 is not supported yet"),
+    "negative soft cap": (dict(logits_soft_cap=-30.0), ValueError, r"logits_soft_cap=-30.0 must be a positive number"),
+    "bad window": (dict(window_left=-5), ValueError, r"window_left=-5 must be -1 \(no window\) or a non-negative int"),
+    "rope": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, r"pos_encoding_mode='ROPE_LLAMA' is not "
+                                                                        r"supported"),
+    "custom mask length": (dict(custom_mask=torch.ones(5, dtype=torch.bool)), ValueError,
+                           r"custom_mask has 5 elements; the batch needs sum\(qo_len \* kv_len\) = 56"),
+    "packed mask length": (dict(packed_custom_mask=torch.ones(3, dtype=torch.uint8)), ValueError,
+                           r"packed_custom_mask has 3 bytes; the batch needs 9"),
 }
 
 

@@ -17,8 +17,10 @@ import torch
 
 from .. import dispatch, knobs
 from ..errors import NoGPUError
-from ..generator import PARAMS, Tile, tiles_for
+from ..generator import PARAMS, Tile, attention_layout, tiles_for, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
+from ..variants import Variant, resolve as resolve_variant
+from ._variants import Binding, bind, check_value
 from ._common import (SPEC_DTYPE, PagedCache, as_dtype, check_head_dim, check_heads, check_indptr, check_layout,
                       check_metadata, check_page_size, check_tensor, unpack_paged_cache, unsupported)
 from .scheduler import WorkPlan, plan_work
@@ -46,6 +48,9 @@ class _Plan:
     total_kv: int                   # ragged: kv_indptr[-1]
     on_gpu: bool
     q_shape: Any = None             # torch.Size([total_q, H_q, D]): what run() expects of q and out
+    binding: Binding = field(default_factory=Binding)  # the variant and the parameters plan() fixed
+    variant_slots: list = field(default_factory=list)   # (name, struct index, kind) of run()-time parameters
+    variant_sizes: dict = field(default_factory=dict)   # per -> length, for run()'s tensor-parameter checks
     attn: Any = None                # dispatch.Launch
     attn_values: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
@@ -73,8 +78,13 @@ class _AttentionWrapper:
     _op = "prefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 *, max_work_items: int | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
         check_tensor("float_workspace_buffer", float_workspace_buffer)
+        if isinstance(variant, str):
+            variant = resolve_variant(variant)
+        if variant is not None and not isinstance(variant, Variant):
+            raise TypeError(f"variant must be an attnjit.Variant (or its 'module:attribute'), got {type(variant).__name__}")
+        self._variant = variant
         if float_workspace_buffer.dim() != 1 or not float_workspace_buffer.is_contiguous():
             raise ValueError("float_workspace_buffer must be a contiguous 1-D tensor (e.g. torch.empty(128 << 20, "
                              f"dtype=torch.uint8, device='cuda')), got shape {tuple(float_workspace_buffer.shape)}")
@@ -114,6 +124,15 @@ class _AttentionWrapper:
 
     # --- plan ---------------------------------------------------------------------------------------------
 
+    def _bind(self, qo: list[int], kv_lens: list[int], num_qo_heads: int, *, logits_soft_cap, window_left,
+              pos_encoding_mode, custom_mask=None, packed_custom_mask=None) -> Binding:
+        """The wrapper's variant with the built-ins that FlashInfer's feature arguments ask for."""
+        qo_lens = [qo[i + 1] - qo[i] for i in range(len(qo) - 1)]
+        return bind(user=self._variant, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                    pos_encoding_mode=pos_encoding_mode, custom_mask=custom_mask,
+                    packed_custom_mask=packed_custom_mask, qo_lens=qo_lens, kv_lens=kv_lens,
+                    num_qo_heads=num_qo_heads, device=self._device)
+
     @staticmethod
     def _check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo) -> int:
         group = check_heads(num_qo_heads, num_kv_heads)
@@ -134,7 +153,7 @@ class _AttentionWrapper:
     def _finish_plan(self, *, spec: AttentionSpec, qo: list[int], kv_lens: list[int], kv_bases: list[int],
                      num_qo_heads: int, num_kv_heads: int, q_dtype, kv_dtype, o_dtype, sm_scale: float | None,
                      max_page: int, total_kv: int, tables: dict[str, torch.Tensor], fixed_split_size: int | None,
-                     disable_split_kv: bool) -> None:
+                     disable_split_kv: bool, binding: Binding) -> None:
         head_dim = spec.head_dim_qk
         group = spec.group_size
         batch = len(qo) - 1
@@ -175,7 +194,12 @@ class _AttentionWrapper:
         plan = _Plan(spec=spec, work=work, batch_size=batch, total_q=qo[-1], num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
                      kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=max_page, total_kv=total_kv, on_gpu=on_gpu,
-                     q_shape=torch.Size((qo[-1], num_qo_heads, head_dim)))
+                     q_shape=torch.Size((qo[-1], num_qo_heads, head_dim)), binding=binding,
+                     variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": batch,
+                                    "request+1": batch + 1, "qo_token": qo[-1]})
+        plan.keep += binding.keep
+        layout, kinds = attention_layout(spec.variant), binding.kinds()
+        plan.variant_slots = [(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
         host = {"work": [x for rec in work.records for x in rec], "work_count": [work.num_items],
                 "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
@@ -264,10 +288,14 @@ class _AttentionWrapper:
 
     # --- run ----------------------------------------------------------------------------------------------
 
-    def _current_plan(self) -> _Plan:
+    def _current_plan(self, variant_params: dict[str, Any] | None = None, want_lse: bool = False) -> _Plan:
+        """The plan run() executes: present, its variant parameters valid, on a GPU (checked in that order, so
+        argument errors show on a CPU-planned wrapper too)."""
         plan = self._plan
         if plan is None:
             raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+        if variant_params or plan.variant_slots or (want_lse and plan.binding.variant is not None):
+            self._variant_args(plan, variant_params or {}, want_lse)
         if not plan.on_gpu:
             raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
                              "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
@@ -299,6 +327,29 @@ class _AttentionWrapper:
                                  f"{dev}; got {lse.dtype} {list(lse.shape)}")
         return out, lse, qs, os_
 
+    def _variant_args(self, plan: _Plan, kwargs: dict[str, Any], return_lse: bool) -> None:
+        """Check run()'s variant parameters against the plan's variant and put them in the parameter struct."""
+        variant = plan.binding.variant
+        if variant is None:
+            if kwargs:
+                raise TypeError(f"run() got unexpected keyword argument(s) {sorted(kwargs)}; this wrapper has no "
+                                "variant (pass variant= to the constructor)")
+            return
+        if return_lse and not variant.use_softmax:
+            raise ValueError(f"variant {variant.name!r} has use_softmax=False: its output has no log-sum-exp; call "
+                             "run() without return_lse/lse")
+        extra = sorted(set(kwargs) - {n for n, _, _ in plan.variant_slots})
+        if extra:
+            raise TypeError(f"run(): variant {variant.name!r} has no parameter {extra[0]!r}; it takes "
+                            f"{[n for n, _, _ in plan.variant_slots] or 'none at run time'}")
+        for name, index, kind in plan.variant_slots:
+            if name not in kwargs:
+                raise TypeError(f"run(): variant {variant.name!r} needs parameter {name!r} "
+                                f"({getattr(kind, '__name__', None) or kind.describe()})")
+            value = check_value(variant, name, kind, kwargs[name], device=self._device, sizes=plan.variant_sizes)
+            if plan.attn_values:
+                plan.attn_values[index] = value
+
     def _launch(self, plan: _Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out,
                 os_, lse) -> None:
         vals = plan.attn_values
@@ -318,15 +369,18 @@ _KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
 
 class _PagedMixin:
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None):
+            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, **variant_params: Any):
         """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
-        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout."""
+        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout. The
+        wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None \
-                or window_left not in (None, -1):
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks, window_left=window_left)
-        plan = self._current_plan()
+        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None:
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        plan = self._current_plan(variant_params, return_lse or lse is not None)
+        if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
+            raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
+                             f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
         self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
@@ -401,8 +455,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  qo_indptr_buf: torch.Tensor | None = None, paged_kv_indptr_buf: torch.Tensor | None = None,
                  paged_kv_indices_buf: torch.Tensor | None = None,
                  paged_kv_last_page_len_buf: torch.Tensor | None = None, custom_mask_buf=None, mask_indptr_buf=None,
-                 backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
+                 backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None,
+                 variant: Variant | str | None = None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
+                         variant=variant)
         unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
@@ -415,10 +471,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              **unused: Any) -> None:
-        unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                    pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-                    window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-                    rope_theta=rope_theta, **unused)
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                    **unused)
         group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         check_page_size(page_size)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
@@ -432,17 +486,21 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
             indptr=paged_kv_indptr, indices=paged_kv_indices, last_page_len=paged_kv_last_page_len,
             page_size=page_size, batch=batch,
             names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
+        binding = self._bind(qo, kv_lens, num_qo_heads, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                             pos_encoding_mode=pos_encoding_mode, custom_mask=custom_mask,
+                             packed_custom_mask=packed_custom_mask)
+        causal = causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             _check_causal(qo, kv_lens)
         spec = AttentionSpec(op="prefill", head_dim=head_dim_qk, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", layout=self._kv_layout, kv="paged",
-                             group_size=group, arch=_arch_for(self._device))
+                             group_size=group, variant=binding.variant, arch=_arch_for(self._device))
         self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kv_bases, num_qo_heads=num_qo_heads,
                           num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
                           sm_scale=sm_scale, max_page=max_page, total_kv=0,
                           tables={"kv_indices": paged_kv_indices}, fixed_split_size=fixed_split_size,
-                          disable_split_kv=disable_split_kv)
+                          disable_split_kv=disable_split_kv, binding=binding)
 
 
 
@@ -455,8 +513,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
-                 *, max_work_items: int | None = None):
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
+                         variant=variant)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
@@ -467,8 +526,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
              block_tables=None, seq_lens=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              o_data_type=None, **unused: Any) -> None:
-        unsupported(pos_encoding_mode=pos_encoding_mode, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                    rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
+        unsupported(rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
                     **unused)
         group = check_heads(num_qo_heads, num_kv_heads)
         check_head_dim("head_dim", head_dim)
@@ -487,14 +545,16 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
             if k == 0:
                 raise ValueError(f"request {i} has an empty KV history; decode needs at least the current token's "
                                  "key (append it before planning)")
+        qo = list(range(batch + 1))
+        binding = self._bind(qo, kv_lens, num_qo_heads, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                             pos_encoding_mode=pos_encoding_mode)
         spec = AttentionSpec(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
-                             group_size=group, arch=_arch_for(self._device))
-        qo = list(range(batch + 1))
+                             group_size=group, variant=binding.variant, arch=_arch_for(self._device))
         self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kv_bases, num_qo_heads=num_qo_heads,
                           num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
                           sm_scale=sm_scale, max_page=max_page, total_kv=0, tables={"kv_indices": indices},
-                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, binding=binding)
 
 
 
@@ -506,10 +566,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf: torch.Tensor | None = None, kv_indptr_buf: torch.Tensor | None = None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto", jit_args=None, jit_kwargs=None,
-                 *, max_work_items: int | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
+                         variant=variant)
         unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 
@@ -520,10 +581,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              **unused: Any) -> None:
-        unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
-                    pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
-                    window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
-                    rope_theta=rope_theta, **unused)
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
+                    **unused)
         group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
         check_metadata("qo_indptr", qo_indptr, self._device)
@@ -535,23 +594,28 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         check_indptr("qo_indptr", qo)
         check_indptr("kv_indptr", kvp)
         kv_lens = [kvp[i + 1] - kvp[i] for i in range(batch)]
+        binding = self._bind(qo, kv_lens, num_qo_heads, logits_soft_cap=logits_soft_cap, window_left=window_left,
+                             pos_encoding_mode=pos_encoding_mode, custom_mask=custom_mask,
+                             packed_custom_mask=packed_custom_mask)
+        causal = causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             _check_causal(qo, kv_lens)
         spec = AttentionSpec(op="prefill", head_dim=head_dim_qk, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", kv="ragged", group_size=group,
-                             arch=_arch_for(self._device))
+                             variant=binding.variant, arch=_arch_for(self._device))
         self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kvp[:-1], num_qo_heads=num_qo_heads,
                           num_kv_heads=num_kv_heads, q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
                           sm_scale=sm_scale, max_page=-1, total_kv=kvp[-1], tables={},
-                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv)
+                          fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv, binding=binding)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None):
-        """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] -> out [nnz_qo, H_q, D] (and lse with return_lse)."""
+            return_lse: bool = False, enable_pdl=None, **variant_params: Any):
+        """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] -> out [nnz_qo, H_q, D] (and lse with return_lse). The
+        wrapper's variant takes its parameters here by name."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
-        plan = self._current_plan()
+        plan = self._current_plan(variant_params, return_lse or lse is not None)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtype=plan.kv_dtype, dim=3, device=self._device)
             if t.shape[0] < plan.total_kv or t.shape[1] != plan.num_kv_heads or t.shape[2] != plan.head_dim \
@@ -585,7 +649,8 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
                                  sm_scale: float | None = None, window_left: int = -1,
                                  logits_soft_cap: float | None = None, rope_scale=None, rope_theta=None,
-                                 backend: str = "auto", return_lse: bool = False):
+                                 backend: str = "auto", return_lse: bool = False, variant: Variant | None = None,
+                                 **variant_params: Any):
     """q: [qo_len, H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [qo_len, H_q, D]."""
     check_tensor("q", q, dim=3)
     check_tensor("k", k, dim=3, device=q.device)
@@ -596,7 +661,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}")
     dev = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_workspace_for(dev))
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_workspace_for(dev), variant=variant)
     qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=dev)
     kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=dev)
     wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], causal=causal, sm_scale=sm_scale,
@@ -606,21 +671,23 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                  q_data_type=q.dtype, kv_data_type=k.dtype)
     if k.stride() != v.stride() or k.stride(2) != 1:
         k, v = k.contiguous(), v.contiguous()
-    return wrapper.run(q, k, v, return_lse=return_lse)
+    return wrapper.run(q, k, v, return_lse=return_lse, **variant_params)
 
 
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
                                 pos_encoding_mode: str = "NONE", use_tensor_cores: bool = False, q_scale=None,
                                 k_scale=None, v_scale=None, window_left: int = -1,
                                 logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale=None,
-                                rope_theta=None, return_lse: bool = False):
+                                rope_theta=None, return_lse: bool = False, variant: Variant | None = None,
+                                **variant_params: Any):
     """q: [H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [H_q, D]."""
     check_tensor("q", q, dim=2)
     unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
     result = single_prefill_with_kv_cache(q.unsqueeze(0), k, v, causal=False, kv_layout=kv_layout,
                                           pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale,
                                           window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                          rope_scale=rope_scale, rope_theta=rope_theta, return_lse=return_lse)
+                                          rope_scale=rope_scale, rope_theta=rope_theta, return_lse=return_lse,
+                                          variant=variant, **variant_params)
     if return_lse:
         o, lse = result
         return o[0], lse[0]

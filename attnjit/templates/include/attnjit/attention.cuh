@@ -29,12 +29,24 @@
 
 namespace attnjit {
 
+// The default attention: no hook. A variant (rendered by the template from an attnjit.Variant) has the same
+// members with some HAS_* true and the hook methods; every hook call site below is `if constexpr`, so NoVariant
+// compiles to the kernel without hooks.
+struct NoVariant {
+  static constexpr bool HAS_QUERY_TRANSFORM = false, HAS_LOGITS_TRANSFORM = false, HAS_LOGITS_MASK = false,
+                        HAS_OUTPUT_TRANSFORM = false, HAS_KV_START = false, USE_SOFTMAX = true;
+  template <typename P>
+  __device__ explicit NoVariant(const P&) {}
+};
+
 // Every tile and stage constant of one kernel instance.
 template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_,
-          bool HND_, int NUM_WARPS_Q_, int NUM_WARPS_KV_, int NUM_MMA_Q_, int NUM_MMA_KV_, int NUM_STAGES_>
+          bool HND_, int NUM_WARPS_Q_, int NUM_WARPS_KV_, int NUM_MMA_Q_, int NUM_MMA_KV_, int NUM_STAGES_,
+          typename VARIANT_ = NoVariant>
 struct AttentionTraits {
   using T = T_;    // q, k, v element type
   using TO = TO_;  // output element type
+  using Variant = VARIANT_;  // hook policy (NoVariant: plain softmax attention)
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int GROUP = GROUP_;  // query heads per KV head
   static constexpr bool CAUSAL = CAUSAL_;
@@ -109,7 +121,9 @@ struct AttentionCTA {
   static constexpr int D = Tr::HEAD_DIM;
   static constexpr int CHUNKS = Tr::CHUNKS;
 
+  using V = typename Tr::Variant;
   const P& p;
+  const V var;
   uint8_t* smem;
   const int lane, warp_q, warp_kv;
   int kv_head;
@@ -121,6 +135,7 @@ struct AttentionCTA {
 
   __device__ AttentionCTA(const P& params, uint8_t* smem_)
       : p(params),
+        var(params),
         smem(smem_),
         lane(threadIdx.x % 32),
         warp_q((threadIdx.x / 32) % Tr::NUM_WARPS_Q),
@@ -171,6 +186,10 @@ struct AttentionCTA {
     if constexpr (Tr::CAUSAL) {
       const int last_row = min(packed_row0 + Tr::CTA_Q, rows_total) - 1;
       kv_stop = min(kv_stop, kv_len - qo_len + last_row / Tr::GROUP + 1);
+    }
+    if constexpr (V::HAS_KV_START) {  // skip whole tiles below the first row's lowest visible key
+      const int lo = var.kv_start(kv_len - qo_len + packed_row0 / Tr::GROUP, qo_len, kv_len, req, kv_head);
+      if (lo > kv_begin) kv_begin = lo / Tr::CTA_KV * Tr::CTA_KV;
     }
     num_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + Tr::CTA_KV - 1) / Tr::CTA_KV : 0;
     return packed_row0 < rows_total;
@@ -247,6 +266,36 @@ struct AttentionCTA {
     }
   }
 
+  // ---- variant hooks ---------------------------------------------------------------------------------------
+
+  __device__ __forceinline__ int q_pos_of(int pr) const { return kv_len - qo_len + pr / Tr::GROUP; }
+  __device__ __forceinline__ int qo_head_of(int pr) const { return kv_head * Tr::GROUP + pr % Tr::GROUP; }
+
+  // Apply the variant's query transform to the Q tile in shared memory (once per work item, before use).
+  __device__ __forceinline__ void transform_q() const {
+    for (int i = threadIdx.x; i < Tr::CTA_Q * CHUNKS; i += Tr::NUM_THREADS) {
+      const int r = i / CHUNKS, c = i % CHUNKS;
+      const int pr = packed_row0 + r;
+      if (pr >= rows_total) continue;
+      T* ptr = reinterpret_cast<T*>(q_smem() + swizzle<CHUNKS>(r, c));
+      float x[8];
+      load8<T>(ptr, x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        x[e] = var.query_transform(x[e], c * 8 + e, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
+      store8<T>(ptr, x);
+    }
+  }
+
+  // Output transform of 8 consecutive elements of a final output row.
+  __device__ __forceinline__ void transform_out8(int pr, int chunk, float* x) const {
+    if constexpr (V::HAS_OUTPUT_TRANSFORM) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        x[e] = var.output_transform(x[e], chunk * 8 + e, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
+    }
+  }
+
   // ---- compute one tile -----------------------------------------------------------------------------------
 
   __device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], int mq, int kd) const {
@@ -292,31 +341,70 @@ struct AttentionCTA {
       }
     }
 
-    // mask the boundary and the causal diagonal (only tiles that reach past either)
     const int kv0 = kv_begin + tile * Tr::CTA_KV;
-    const int diag = kv_len - qo_len;  // token t sees j <= diag + t
-    const int first_token = packed_row0 / Tr::GROUP;
-    const bool need_mask = kv0 + Tr::CTA_KV > kv_stop || (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > diag + first_token);
-    if (need_mask) {
-      // per row: the last visible column, relative to this lane's first column in the tile
-      const int col0 = kv0 + warp_kv * Tr::WARP_COLS + 2 * (lane % 4);
+    const int col0 = kv0 + warp_kv * Tr::WARP_COLS + 2 * (lane % 4);  // this lane's first column in the tile
+    if constexpr (V::HAS_LOGITS_TRANSFORM) {  // logit = sm_scale * q.k, transformed by the variant
+      const float sm_scale = scale2 * (1.f / kLog2e);
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
-          int last = kv_stop - 1;
+#pragma unroll
+          for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+              s[mq][nt][2 * r + e] = var.logits_transform(s[mq][nt][2 * r + e] * sm_scale, q_pos_of(pr),
+                                                          col0 + nt * 8 + e, qo_len, kv_len, req, qo_head_of(pr),
+                                                          kv_head);
+        }
+    }
+
+    // mask the boundary and the causal diagonal (only tiles that reach past either), and the variant's mask
+    const int diag = kv_len - qo_len;  // token t sees j <= diag + t
+    const int first_token = packed_row0 / Tr::GROUP;
+    const bool need_mask = V::HAS_LOGITS_MASK || kv0 + Tr::CTA_KV > kv_stop ||
+                           (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > diag + first_token);
+    if (need_mask) {
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          int last = kv_stop - 1;  // the last visible column, relative to col0
           if constexpr (Tr::CAUSAL) last = min(last, diag + pr / Tr::GROUP);
           last -= col0;
 #pragma unroll
           for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e)
-              if (nt * 8 + e > last) s[mq][nt][2 * r + e] = neg_inf();
+            for (int e = 0; e < 2; ++e) {
+              bool hidden = nt * 8 + e > last;
+              if constexpr (V::HAS_LOGITS_MASK)
+                hidden = hidden || !var.logits_mask(q_pos_of(pr), col0 + nt * 8 + e, qo_len, kv_len, req,
+                                                    qo_head_of(pr), kv_head);
+              if (hidden) s[mq][nt][2 * r + e] = neg_inf();
+            }
         }
     }
 
-    // online softmax; O is rescaled only when some row's max moved (warp-uniform vote)
+    if constexpr (!V::USE_SOFTMAX) {  // the transformed logit is the weight; hidden keys weigh 0
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (s[mq][nt][e] == neg_inf()) s[mq][nt][e] = 0.f;
+    } else {
+      softmax_update(s, st, scale2);
+    }
+    pv(s, stage, st);
+  }
+
+  // Online softmax of one tile's S (in place: S becomes P); O is rescaled only when some row's max moved.
+  __device__ __forceinline__ void softmax_update(float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4],
+                                                 WarpState<Tr>& st, float scale2) const {
+    if constexpr (V::HAS_LOGITS_TRANSFORM) scale2 = kLog2e;  // the logits are already scaled
     float alpha[Tr::NUM_MMA_Q][2];
     bool moved = false;
 #pragma unroll
@@ -354,8 +442,11 @@ struct AttentionCTA {
           st.o[mq][dt][3] *= alpha[mq][1];
         }
     }
+  }
 
-    // O += P V
+  // O += P V
+  __device__ __forceinline__ void pv(const float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], int stage,
+                                     WarpState<Tr>& st) const {
     const uint32_t vs = smem_u32(v_smem(stage));
 #pragma unroll
     for (int kk = 0; kk < Tr::NUM_MMA_KV; ++kk) {
@@ -406,6 +497,19 @@ struct AttentionCTA {
                x);
   }
 
+  // What a row's accumulated o is multiplied by, and the row's lse (softmax: 1/d and m + log2 d; a fully hidden
+  // row gives 0 and -inf; no softmax: the sum stands, lse 0).
+  __device__ __forceinline__ void state_scale(const WarpState<Tr>& st, int mq, int r, float& inv, float& lse) const {
+    if constexpr (V::USE_SOFTMAX) {
+      const float dd = st.d[mq][r];
+      inv = dd > 0.f ? 1.f / dd : 0.f;
+      lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+    } else {
+      inv = 1.f;
+      lse = 0.f;
+    }
+  }
+
   __device__ __forceinline__ void finish(WarpState<Tr>& st) {
 #pragma unroll
     for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
@@ -424,15 +528,21 @@ struct AttentionCTA {
         for (int r = 0; r < 2; ++r) {
           const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
           const int pr = packed_row0 + row;
-          const float dd = st.d[mq][r];
-          const float inv = dd > 0.f ? 1.f / dd : 0.f;
-          const float lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+          float inv, lse;
+          state_scale(st, mq, r, inv, lse);
 #pragma unroll
           for (int dt = 0; dt < D / 8; ++dt) {
-            const float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
+            float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
+            const int col = dt * 8 + 2 * (lane % 4);
             if (pslot >= 0) {
-              if (pr < rows_total) write_partial2(pr, dt * 8 + 2 * (lane % 4), x0, x1, lse, dt == 0 && lane % 4 == 0);
+              if (pr < rows_total) write_partial2(pr, col, x0, x1, lse, dt == 0 && lane % 4 == 0);
             } else {
+              if constexpr (V::HAS_OUTPUT_TRANSFORM) {
+                if (pr < rows_total) {
+                  x0 = var.output_transform(x0, col, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
+                  x1 = var.output_transform(x1, col + 1, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
+                }
+              }
               *reinterpret_cast<uint32_t*>(stage + swizzle<CHUNKS>(row, dt) + 4 * (lane % 4)) = pack2<TO>(x0, x1);
             }
           }
@@ -461,34 +571,45 @@ struct AttentionCTA {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
-          const float dd = st.d[mq][r];
-          const float inv = dd > 0.f ? 1.f / dd : 0.f;
+          float inv, lse;
+          state_scale(st, mq, r, inv, lse);
           float* dst = so + (warp_kv * Tr::CTA_Q + row) * D;
 #pragma unroll
           for (int dt = 0; dt < D / 8; ++dt) {
             const int col = dt * 8 + 2 * (lane % 4);
             *reinterpret_cast<float2*>(dst + col) = make_float2(st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv);
           }
-          if (lane % 4 == 0) slse[warp_kv * Tr::CTA_Q + row] = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+          if (lane % 4 == 0) slse[warp_kv * Tr::CTA_Q + row] = lse;
         }
       __syncthreads();
       for (int i = threadIdx.x; i < Tr::CTA_Q * CHUNKS; i += Tr::NUM_THREADS) {
         const int row = i / CHUNKS, c = i % CHUNKS;
         const int pr = packed_row0 + row;
         if (pr >= rows_total) continue;
+        const auto load = [&](int64_t w, float* x) {
+          const float4* src = reinterpret_cast<const float4*>(so + (w * Tr::CTA_Q + row) * D + c * 8);
+          const float4 lo = src[0], hi = src[1];
+          x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
+        };
         float out[8];
-        const float lse = merge_n(
-            Tr::NUM_WARPS_KV, [&](int64_t w) { return slse[w * Tr::CTA_Q + row]; },
-            [&](int64_t w, float* x) {
-              const float4* src = reinterpret_cast<const float4*>(so + (w * Tr::CTA_Q + row) * D + c * 8);
-              const float4 lo = src[0], hi = src[1];
-              x[0] = lo.x, x[1] = lo.y, x[2] = lo.z, x[3] = lo.w, x[4] = hi.x, x[5] = hi.y, x[6] = hi.z, x[7] = hi.w;
-            },
-            out);
+        float lse = 0.f;
+        if constexpr (V::USE_SOFTMAX) {
+          lse = merge_n(Tr::NUM_WARPS_KV, [&](int64_t w) { return slse[w * Tr::CTA_Q + row]; }, load, out);
+        } else {  // unnormalized weighted sums over disjoint keys add up
+#pragma unroll
+          for (int e = 0; e < 8; ++e) out[e] = 0.f;
+          for (int w = 0; w < Tr::NUM_WARPS_KV; ++w) {
+            float x[8];
+            load(w, x);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) out[e] += x[e];
+          }
+        }
         if (pslot >= 0) {
 #pragma unroll
           for (int e = 0; e < 8; e += 2) write_partial2(pr, c * 8 + e, out[e], out[e + 1], lse, c == 0 && e == 0);
         } else {
+          transform_out8(pr, c, out);
           write_out8(pr, c, out);
           if (c == 0) write_lse(pr, lse);
         }
@@ -542,10 +663,16 @@ struct AttentionCTA {
           const float l = __ldcg(tmp_lse + row);
           const float4 lo = __ldcg(reinterpret_cast<const float4*>(tmp_o + row * D + c * 8));
           const float4 hi = __ldcg(reinterpret_cast<const float4*>(tmp_o + row * D + c * 8 + 4));
+          const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+          if constexpr (!V::USE_SOFTMAX) {  // partial sums add up
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += x[e];
+            m = 0.f, z = 1.f;
+            continue;
+          }
           if (l == neg_inf()) continue;
           const float m_new = fmaxf(m, l);
           const float a = fast_exp2(m - m_new), w = fast_exp2(l - m_new);
-          const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + w * x[e];
           z = z * a + w;
@@ -553,6 +680,11 @@ struct AttentionCTA {
         }
       }
       for (int off = 1; off < sub; off *= 2) {
+        if constexpr (!V::USE_SOFTMAX) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[e] += __shfl_xor_sync(0xffffffffu, acc[e], off);
+          continue;
+        }
         const float m2 = __shfl_xor_sync(0xffffffffu, m, off);
         const float z2 = __shfl_xor_sync(0xffffffffu, z, off);
         const float m_new = fmaxf(m, m2);
@@ -564,11 +696,16 @@ struct AttentionCTA {
         m = m_new;
       }
       if (active && my_sub == 0) {
-        const float inv = z > 0.f ? 1.f / z : 0.f;
+        float lse = 0.f;
+        if constexpr (V::USE_SOFTMAX) {
+          const float inv = z > 0.f ? 1.f / z : 0.f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] *= inv;
+          for (int e = 0; e < 8; ++e) acc[e] *= inv;
+          lse = z > 0.f ? m + fast_log2(z) : neg_inf();
+        }
+        transform_out8(pr, c, acc);
         write_out8(pr, c, acc);
-        if (c == 0) write_lse(pr, z > 0.f ? m + fast_log2(z) : neg_inf());
+        if (c == 0) write_lse(pr, lse);
       }
     }
   }
@@ -602,6 +739,12 @@ struct AttentionCTA {
     for (int i = 0; i < num_tiles; ++i) {
       cp_async_wait<S - 2>();
       __syncthreads();
+      if constexpr (V::HAS_QUERY_TRANSFORM) {
+        if (i == 0) {
+          transform_q();
+          __syncthreads();
+        }
+      }
       if constexpr (Tr::Q_IN_REGS) {
         if (i == 0) {
 #pragma unroll

@@ -1,0 +1,131 @@
+"""Variants in the wrappers: FlashInfer's feature arguments as built-in variants, and run()-time parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import variants as V
+from ..variants import TensorParam, Variant
+
+_TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+
+
+@dataclass
+class Binding:
+    """A plan's variant: the composed Variant, the parameter values plan() fixed (built-ins), and the order in
+    which the kernel's parameter struct holds them."""
+
+    variant: Variant | None = None
+    bound: dict[str, Any] = field(default_factory=dict)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def required(self) -> list[str]:
+        return [n for n in (self.variant.param_names if self.variant else []) if n not in self.bound]
+
+    def kinds(self) -> dict[str, Any]:
+        return {n: k for part in (self.variant.parts if self.variant else ()) for n, k in part.params}
+
+
+def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """Bit-pack each request's flattened [qo_len * kv_len] bool mask (little-endian bits within a byte, each
+    request padded to whole bytes, as FlashInfer's segment_packbits). Returns (bytes, byte offsets [B+1])."""
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=custom_mask.device)
+    chunks, indptr, pos = [], [0], 0
+    flat = custom_mask.reshape(-1).to(torch.int32)
+    for n in sizes:
+        seg = flat[pos:pos + n]
+        pos += n
+        pad = (-n) % 8
+        if pad:
+            seg = torch.cat([seg, torch.zeros(pad, dtype=torch.int32, device=seg.device)])
+        chunks.append((seg.view(-1, 8) * weights).sum(dim=1).to(torch.uint8))
+        indptr.append(indptr[-1] + (n + pad) // 8)
+    packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=custom_mask.device)
+    return packed, indptr
+
+
+def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int, pos_encoding_mode: str,
+         custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, qo_lens: list[int],
+         kv_lens: list[int], num_qo_heads: int, device: torch.device) -> Binding:
+    """The plan's variant: the wrapper's own (if any) composed with the built-ins FlashInfer's arguments ask for."""
+    parts: list[Variant] = [user] if user is not None else []
+    b = Binding()
+    if logits_soft_cap is not None and logits_soft_cap != 0:
+        if not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool) or logits_soft_cap < 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be a positive number (0 or None: off)")
+        parts.append(V.SOFTCAP)
+        b.bound["logits_soft_cap"] = float(logits_soft_cap)
+    if window_left is not None and window_left != -1:
+        if type(window_left) is not int or window_left < 0:
+            raise ValueError(f"window_left={window_left!r} must be -1 (no window) or a non-negative int")
+        parts.append(V.SLIDING_WINDOW)
+        b.bound["window_left"] = window_left
+    if pos_encoding_mode not in ("NONE", "ALIBI"):
+        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported (NONE or ALIBI; apply "
+                                  "RoPE to q and k before attention, or declare it as a query_transform variant)")
+    if pos_encoding_mode == "ALIBI":
+        parts.append(V.ALIBI)
+        slopes = torch.tensor(V.alibi_slopes(num_qo_heads), dtype=torch.float32, device=device)
+        b.bound["alibi_slopes"] = slopes
+        b.keep.append(slopes)
+    if custom_mask is not None or packed_custom_mask is not None:
+        sizes = [q * k for q, k in zip(qo_lens, kv_lens)]
+        if custom_mask is not None:
+            if not isinstance(custom_mask, torch.Tensor) or custom_mask.dtype != torch.bool:
+                raise TypeError("custom_mask must be a bool tensor (the flattened [qo_len, kv_len] masks of the requests)")
+            if custom_mask.numel() != sum(sizes):
+                raise ValueError(f"custom_mask has {custom_mask.numel()} elements; the batch needs sum(qo_len * kv_len) "
+                                 f"= {sum(sizes)}")
+            if custom_mask.device != device:
+                raise ValueError(f"custom_mask is on {custom_mask.device} but the data is on {device}")
+            packed, indptr = pack_mask_bits(custom_mask, sizes)
+        else:
+            if not isinstance(packed_custom_mask, torch.Tensor) or packed_custom_mask.dtype != torch.uint8:
+                raise TypeError("packed_custom_mask must be a uint8 tensor (each request's mask bit-packed, little "
+                                "endian, padded to whole bytes)")
+            indptr = [0]
+            for n in sizes:
+                indptr.append(indptr[-1] + (n + 7) // 8)
+            if packed_custom_mask.numel() != indptr[-1]:
+                raise ValueError(f"packed_custom_mask has {packed_custom_mask.numel()} bytes; the batch needs "
+                                 f"{indptr[-1]} (sum of ceil(qo_len * kv_len / 8))")
+            if packed_custom_mask.device != device:
+                raise ValueError(f"packed_custom_mask is on {packed_custom_mask.device} but the data is on {device}")
+            packed = packed_custom_mask.contiguous()
+        parts.append(V.CUSTOM_MASK)
+        mask_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
+        b.bound["packed_custom_mask"] = packed
+        b.bound["mask_indptr"] = mask_indptr
+        b.keep += [packed, mask_indptr]
+    if parts:
+        b.variant = V.compose(*parts)
+    return b
+
+
+def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: torch.device,
+                sizes: dict[str, int]) -> int | float:
+    """One run()-time parameter -> what its struct field holds (float, int or a device pointer)."""
+    where = f"variant {variant.name!r}: parameter {name!r}"
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{where} must be a float, got {type(value).__name__}")
+        return float(value)
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{where} must be an int, got {type(value).__name__}")
+        return value
+    assert isinstance(kind, TensorParam)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} must be a torch.Tensor ({kind.describe()}), got {type(value).__name__}")
+    want = _TORCH_DTYPE[kind.dtype]
+    if value.dtype != want or value.device != device or not value.is_contiguous():
+        raise TypeError(f"{where} must be a contiguous {want} tensor on {device}, got {value.dtype} on {value.device}")
+    n = sizes.get(kind.per)
+    if n is not None and value.numel() != n:
+        raise ValueError(f"{where} holds one value per {kind.per}: {n} elements expected, got {value.numel()}")
+    return value.data_ptr()

@@ -1,0 +1,272 @@
+"""Custom attention variants: a name, typed parameters and CUDA snippets for the kernel's hook points.
+
+    softcap = attnjit.Variant("softcap", params={"cap": float},
+                              logits_transform="return cap * tanhf(logit / cap);")
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, variant=softcap)
+    w.plan(...); out = w.run(q, kv_cache, cap=30.0)
+
+Hooks (each a function body; every snippet sees the variables of HOOK_VARIABLES[hook] and every parameter by its
+own name: scalars as ``float``/``int``, tensors as ``const T*``):
+  query_transform(q)     -> float  each element of a query row before Q K^T (``dim`` is its index)
+  logits_transform(logit) -> float  logit = sm_scale * q.k; the result goes into the softmax (or is the weight,
+                                   with use_softmax=False)
+  logits_mask()          -> bool   false hides the key from the query (combined with causal)
+  output_transform(o)    -> float  each element of an output row (``dim`` is its index)
+  kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
+Positions are logical: q_pos = kv_len - qo_len + (query index in its request), so causal is kv_pos <= q_pos.
+
+The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention) are declared below the same way.
+A variant's snippets are part of the rendered source, hence of the cache key. Catalogs name a variant by
+``module:attribute``; that is what ``ref`` resolves to for a variant defined at module level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import keyword
+import math
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+HOOKS = ("query_transform", "logits_transform", "logits_mask", "output_transform", "kv_start")
+_POSITIONS = ("q_pos", "kv_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head")
+HOOK_VARIABLES: dict[str, tuple[str, ...]] = {
+    "query_transform": ("q", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
+    "logits_transform": ("logit",) + _POSITIONS,
+    "logits_mask": _POSITIONS,
+    "output_transform": ("o", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
+    "kv_start": ("q_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
+}
+HOOK_RETURNS = {"query_transform": "float", "logits_transform": "float", "logits_mask": "bool",
+                "output_transform": "float", "kv_start": "int"}
+_RESERVED = set(v for vs in HOOK_VARIABLES.values() for v in vs) | {"p", "params"}
+
+# tensor parameters: element type, and what one value is per (so run() can check the length)
+TENSOR_DTYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16", "int32": "int",
+                 "uint8": "uint8_t", "bool": "bool"}
+PER = ("qo_head", "kv_head", "request", "request+1", "qo_token", "any")
+
+
+@dataclass(frozen=True)
+class TensorParam:
+    """A tensor parameter: ``dtype`` (float32, float16, bfloat16, int32, uint8, bool) and ``per`` = what it holds
+    one value per: qo_head [H_q], kv_head [H_kv], request [B], request+1 [B+1] (an indptr), qo_token [nnz_qo], or
+    any (a flat buffer the snippet indexes itself)."""
+
+    dtype: str = "float32"
+    per: str = "qo_head"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in TENSOR_DTYPES:
+            raise ValueError(f"TensorParam.dtype={self.dtype!r} is not supported: expected one of "
+                             f"{', '.join(TENSOR_DTYPES)}")
+        if self.per not in PER:
+            raise ValueError(f"TensorParam.per={self.per!r} is not supported: expected one of {', '.join(PER)}")
+
+    @property
+    def ctype(self) -> str:
+        return f"const {TENSOR_DTYPES[self.dtype]}*"
+
+    def describe(self) -> str:
+        return f"Tensor({self.dtype}, per {self.per})"
+
+
+def _param_type(name: str, kind: Any, variant: str) -> Any:
+    if kind in (float, int) or isinstance(kind, TensorParam):
+        return kind
+    if kind == "float":
+        return float
+    if kind == "int":
+        return int
+    raise TypeError(f"variant {variant!r}: parameter {name!r} has type {kind!r}; declare float, int or "
+                    "attnjit.TensorParam(dtype, per=...)")
+
+
+class Variant:
+    """One attention variant (see the module docstring). Immutable; equal variants have equal ``digest``s.
+
+    Attributes: name; params, ((name, float | int | TensorParam), ...); hooks, ((hook, snippet), ...);
+    use_softmax; parts, the variants a composition applies in order (a plain variant's parts are itself).
+    """
+
+    __slots__ = ("name", "params", "hooks", "use_softmax", "parts")
+
+    def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
+                 logits_transform: str | None = None, logits_mask: str | None = None,
+                 output_transform: str | None = None, kv_start: str | None = None, use_softmax: bool = True):
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
+        declared = {}
+        for pname, kind in (params or {}).items():
+            if not isinstance(pname, str) or not pname.isidentifier() or keyword.iskeyword(pname):
+                raise ValueError(f"variant {name!r}: parameter name {pname!r} must be an identifier")
+            if pname in _RESERVED:
+                raise ValueError(f"variant {name!r}: parameter name {pname!r} is taken by a hook variable "
+                                 f"({', '.join(sorted(_RESERVED))})")
+            declared[pname] = _param_type(pname, kind, name)
+        hooks = []
+        for hook, snippet in (("query_transform", query_transform), ("logits_transform", logits_transform),
+                              ("logits_mask", logits_mask), ("output_transform", output_transform),
+                              ("kv_start", kv_start)):
+            if snippet is None:
+                continue
+            if not isinstance(snippet, str) or not snippet.strip():
+                raise TypeError(f"variant {name!r}: {hook} must be a string of CUDA code, got {snippet!r}")
+            if hook == "kv_start" and "return" not in snippet:
+                snippet = f"return {snippet.strip().rstrip(';')};"
+            hooks.append((hook, snippet.strip("\n")))
+        if not isinstance(use_softmax, bool):
+            raise TypeError(f"variant {name!r}: use_softmax must be True or False")
+        if not use_softmax and not any(h == "logits_transform" for h, _ in hooks):
+            raise ValueError(f"variant {name!r}: use_softmax=False needs a logits_transform that returns each key's "
+                             "weight (e.g. a sigmoid)")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "params", tuple(declared.items()))
+        object.__setattr__(self, "hooks", tuple(hooks))
+        object.__setattr__(self, "use_softmax", use_softmax)
+        object.__setattr__(self, "parts", (self,))
+
+    # --- identity ------------------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        def kind(k):
+            return k.__name__ if k in (float, int) else k.describe()
+
+        return {"name": self.name, "params": [[n, kind(k)] for n, k in self.params], "hooks": [list(h) for h in self.hooks],
+                "use_softmax": self.use_softmax, "parts": [p.describe() for p in self.parts] if len(self.parts) > 1
+                else []}
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()[:16]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Variant) and other.digest == self.digest
+
+    def __hash__(self) -> int:
+        return hash(self.digest)
+
+    @property
+    def ref(self) -> str | None:
+        """``module:attribute`` of a module-level variable holding this variant (what catalogs name), or None."""
+        cached = _REFS.get(id(self))
+        if cached is not None and cached[0] is self:
+            return cached[1]
+        if len(self.parts) > 1:
+            refs = [p.ref for p in self.parts]
+            ref = "+".join(refs) if all(refs) else None
+        else:
+            ref = None
+            for mod_name, mod in list(sys.modules.items()):
+                if mod is None or mod_name.startswith("__"):  # __main__, __mp_main__: not importable by name
+                    continue
+                for attr, value in list(getattr(mod, "__dict__", {}).items()):
+                    if value is self:
+                        ref = f"{mod_name}:{attr}"
+                        break
+                if ref:
+                    break
+        _REFS[id(self)] = (self, ref)
+        return ref
+
+    def canonical(self) -> str:
+        """How specs name the variant: its ref when importable, else name@digest (not loadable from a catalog)."""
+        return self.ref or f"{self.name}@{self.digest}"
+
+    @property
+    def param_names(self) -> list[str]:
+        return [n for part in self.parts for n, _ in part.params]
+
+    def hook(self, name: str) -> str | None:
+        return dict(self.hooks).get(name)
+
+    def __repr__(self) -> str:
+        return f"Variant({self.canonical()})"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("attnjit.Variant is immutable")
+
+
+_REFS: dict[int, tuple[Variant, str | None]] = {}
+
+
+def compose(*variants: Variant) -> Variant:
+    """Several variants applied in order: logits transforms chained, masks and-ed, kv_start the largest."""
+    parts: list[Variant] = []
+    for v in variants:
+        for p in v.parts:
+            if p not in parts:
+                parts.append(p)
+    if len(parts) == 1:
+        return parts[0]
+    names = [n for p in parts for n, _ in p.params]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"variants {' + '.join(p.name for p in parts)} both declare parameter(s) {dup}")
+    if sum(not p.use_softmax for p in parts) and len(parts) > 1 and any(p.hook("logits_transform") for p in parts
+                                                                        if p.use_softmax):
+        raise ValueError("a use_softmax=False variant's logits_transform gives the weight; it cannot be chained "
+                         "after another logits_transform")
+    v = object.__new__(Variant)
+    object.__setattr__(v, "name", "_".join(p.name for p in parts))
+    object.__setattr__(v, "params", tuple(x for p in parts for x in p.params))
+    object.__setattr__(v, "hooks", ())
+    object.__setattr__(v, "use_softmax", all(p.use_softmax for p in parts))
+    object.__setattr__(v, "parts", tuple(parts))
+    return v
+
+
+def resolve(text: str) -> Variant:
+    """``module:attribute`` (or several joined by ``+``) -> the Variant it names."""
+    found = []
+    for ref in text.split("+"):
+        mod_name, _, attr = ref.partition(":")
+        if not mod_name or not attr:
+            raise ValueError(f"variant {ref!r} is not of the form module:attribute")
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError as exc:
+            raise ValueError(f"variant {ref!r}: cannot import {mod_name}: {exc}") from None
+        value = getattr(mod, attr, None)
+        if not isinstance(value, Variant):
+            raise ValueError(f"variant {ref!r}: {mod_name}.{attr} is {type(value).__name__}, not an attnjit.Variant")
+        found.append(value)
+    return compose(*found)
+
+
+# --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
+
+SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
+                  logits_transform="return logits_soft_cap * tanhf(logit / logits_soft_cap);")
+
+SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
+                         logits_mask="return kv_pos >= q_pos - window_left;",
+                         kv_start="return q_pos - window_left;")
+
+ALIBI = Variant("alibi", params={"alibi_slopes": TensorParam("float32", per="qo_head")},
+                logits_transform="return logit + alibi_slopes[qo_head] * float(kv_pos - q_pos);")
+
+CUSTOM_MASK = Variant(
+    "custom_mask", params={"packed_custom_mask": TensorParam("uint8", per="any"),
+                           "mask_indptr": TensorParam("int32", per="request+1")},
+    logits_mask="""const long long bit = (long long)(q_pos - (kv_len - qo_len)) * kv_len + kv_pos;
+return (packed_custom_mask[mask_indptr[batch_idx] + (bit >> 3)] >> (bit & 7)) & 1;""")
+
+SIGMOID = Variant("sigmoid", params={"sigmoid_scale": float, "sigmoid_bias": float},
+                  logits_transform="return 1.f / (1.f + __expf(-(logit * sigmoid_scale + sigmoid_bias)));",
+                  use_softmax=False)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """The ALiBi paper's head slopes (geometric, interleaved for a non-power-of-two head count), as FlashInfer."""
+    n = 2 ** math.floor(math.log2(num_heads))
+    m0 = 2.0 ** (-8.0 / n)
+    slopes = [m0 ** (i + 1) for i in range(n)]
+    if n < num_heads:
+        m1 = 2.0 ** (-4.0 / n)
+        slopes += [m1 ** (2 * i + 1) for i in range(num_heads - n)]
+    return slopes

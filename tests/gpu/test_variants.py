@@ -1,0 +1,148 @@
+"""Variants against float64 references written independently in torch (reference.Hooks): every built-in
+(soft-cap, sliding window, ALiBi, custom mask, sigmoid) and three user variants, on paged/ragged prefill (causal and
+not) and decode, split-KV included."""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import attnjit
+from attnjit import reference
+from attnjit.reference import Hooks
+
+from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
+from .cases import DEC_MED, MIXED_KV, MIXED_QO, VARIANTS, VariantCase
+
+DEV = "cuda"
+H_Q, H_KV, D = 32, 8, 128
+CAP, WINDOW, SIG_SCALE, SIG_BIAS, Q_GAIN, O_GAIN = 2.0, 37, 0.7, -1.5, 1.3, 0.5
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+
+
+def alibi_slopes_independent(n: int) -> torch.Tensor:
+    # H = 32 is a power of two: slope_h = 2^(-8 (h + 1) / H)
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / n) for h in range(n)], dtype=torch.float64)
+
+
+def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: torch.Tensor | None) -> Hooks:
+    f = case.feature
+    if f == "softcap":
+        return Hooks(logits=lambda l, p: CAP * torch.tanh(l / CAP))
+    if f == "window":
+        return Hooks(mask=lambda p: (p.kv_pos[None, :] >= p.q_pos[:, None] - WINDOW)[None])
+    if f == "alibi":
+        slopes = alibi_slopes_independent(H_Q).to(DEV)
+        return Hooks(logits=lambda l, p: l + slopes[:, None, None] * (p.kv_pos[None, :] - p.q_pos[:, None])[None])
+    if f == "custom_mask":
+        return Hooks(mask=lambda p: masks[p.batch_idx][None])
+    if f in ("sigmoid", "user_sigmoid"):
+        return Hooks(logits=lambda l, p: torch.sigmoid(l * SIG_SCALE + SIG_BIAS), use_softmax=False)
+    if f == "head_scale":
+        return Hooks(logits=lambda l, p: l * head_scale.double()[:, None, None])
+    if f == "gains":
+        return Hooks(query=lambda q, p: q * Q_GAIN, output=lambda o, p: o * O_GAIN)
+    raise AssertionError(f)
+
+
+def run_params(case: VariantCase, head_scale: torch.Tensor | None) -> dict:
+    return {"sigmoid": dict(sigmoid_scale=SIG_SCALE, sigmoid_bias=SIG_BIAS),
+            "user_sigmoid": dict(scale=SIG_SCALE, bias=SIG_BIAS),
+            "head_scale": dict(head_scale=head_scale),
+            "gains": dict(q_gain=Q_GAIN, o_gain=O_GAIN)}.get(case.feature, {})
+
+
+def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
+    return {"softcap": dict(logits_soft_cap=CAP), "window": dict(window_left=WINDOW),
+            "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
+
+
+@pytest.mark.parametrize("case", VARIANTS, ids=lambda c: c.name)
+def test_variant_matches_reference(case: VariantCase, workspace):
+    seed = zlib.crc32(case.name.encode()) % 1000
+    gen = torch.Generator().manual_seed(seed)
+    dtype = case.dtype
+    qo_lens = (1,) * len(DEC_MED) if case.kind == "decode" else MIXED_QO
+    kv_lens = DEC_MED if case.kind == "decode" else MIXED_KV
+    masks = mask_flat = None
+    if case.feature == "custom_mask":
+        masks = [torch.rand(q, k, generator=gen) < 0.6 for q, k in zip(qo_lens, kv_lens)]
+        mask_flat = torch.cat([m.reshape(-1) for m in masks]).to(DEV)
+        masks = [m.to(DEV) for m in masks]
+    head_scale = (torch.rand(H_Q, generator=gen) * 1.5 + 0.25).to(DEV) if case.feature == "head_scale" else None
+    split = {"force": {"fixed_split_size": 128}}.get(case.split, {})
+    hooks = hooks_for(case, masks, head_scale)
+    params = run_params(case, head_scale)
+    if case.kind == "ragged":
+        qo_indptr, kv_indptr, q, k, v = make_ragged(qo_lens, kv_lens, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                                                    dtype=dtype, device=DEV, seed=seed)
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant)
+        w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), H_Q, H_KV, D, causal=case.causal, q_data_type=dtype,
+               **plan_args(case, mask_flat), **split)
+        out = poisoned(q.shape, dtype, DEV)
+        lse = poisoned(q.shape[:2], torch.float32, DEV) if hooks.use_softmax else None
+        w.run(q, k, v, out=out, lse=lse, **params)
+        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal, hooks=hooks)
+    else:
+        b = make_paged(qo_lens, kv_lens, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, dtype=dtype,
+                       device=DEV, seed=seed)
+        qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
+        if case.kind == "decode":
+            w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, variant=case.variant)
+            w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **plan_args(case, None), **split)
+        else:
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant)
+            w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=case.causal, q_data_type=dtype,
+                   **plan_args(case, mask_flat), **split)
+        q = b.q
+        out = poisoned(q.shape, dtype, DEV)
+        lse = poisoned(q.shape[:2], torch.float32, DEV) if hooks.use_softmax else None
+        w.run(q, b.cache, out=out, lse=lse, **params)
+        causal = case.causal and case.kind != "decode" and case.feature != "custom_mask"
+        ref_o, ref_lse = reference.batch_paged(q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                               page_size=16, causal=causal, hooks=hooks)
+    torch.cuda.synchronize()
+    assert w._plan.spec.variant is not None
+    if case.split == "force":
+        assert w.last_plan["split_kv"], w.last_plan
+    if hooks.use_softmax:
+        assert_close(out, ref_o, dtype)
+        assert_lse_close(lse, ref_lse)
+    else:  # unnormalized weighted sums: compare relative to the output's scale
+        scale = ref_o.abs().max().clamp_min(1.0)
+        assert_close(out.double() / scale, ref_o / scale, dtype)
+
+
+def test_missing_variant_parameter_is_a_type_error_naming_variant_and_parameter(workspace):
+    from .cases import HEAD_SCALE
+
+    b = make_paged((2, 1), (20, 30), page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                   dtype=torch.bfloat16, device=DEV, seed=9)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=HEAD_SCALE)
+    w.plan(*b.tensors(DEV), H_Q, H_KV, D, 16, causal=True, q_data_type=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"variant 'head_scale' needs parameter 'head_scale'"):
+        w.run(b.q, b.cache)
+    with pytest.raises(TypeError, match=r"must be a contiguous torch.float32 tensor"):
+        w.run(b.q, b.cache, head_scale=torch.ones(H_Q, dtype=torch.float16, device=DEV))
+    out = w.run(b.q, b.cache, head_scale=torch.ones(H_Q, device=DEV))
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   page_size=16, causal=True)
+    assert_close(out, ref, torch.bfloat16)  # a scale of one is plain attention
+
+
+def test_single_prefill_with_a_variant():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(20, H_Q, D, generator=gen).to(torch.float16).to(DEV)
+    k = torch.randn(50, H_KV, D, generator=gen).to(torch.float16).to(DEV)
+    v = torch.randn(50, H_KV, D, generator=gen).to(torch.float16).to(DEV)
+    o = attnjit.single_prefill_with_kv_cache(q, k, v, causal=True, logits_soft_cap=CAP)
+    ref, _ = reference.attention(q, k, v, causal=True, hooks=Hooks(logits=lambda l, p: CAP * torch.tanh(l / CAP)))
+    assert_close(o, ref, torch.float16)
+    assert math.isfinite(o.float().sum().item())

@@ -1,0 +1,237 @@
+"""Variants on the CPU: declarations, rendering, keys, real nvcc compiles, error messages, catalogs, run() checks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+import attnjit
+from attnjit import jit, variants as V
+from attnjit.errors import CatalogError, CompileError
+from attnjit.generator import render
+from attnjit.specs import AttentionSpec, SpecError, load_catalog
+
+from .gpu.cases import GAINS, HEAD_SCALE, USER_SIGMOID
+
+BUILTINS = {"softcap": V.SOFTCAP, "sliding_window": V.SLIDING_WINDOW, "alibi": V.ALIBI,
+            "custom_mask": V.CUSTOM_MASK, "sigmoid": V.SIGMOID}
+USER = {"user_sigmoid": USER_SIGMOID, "head_scale": HEAD_SCALE, "gains": GAINS}
+
+
+def prefill(variant=None, **kw) -> AttentionSpec:
+    args = dict(op="prefill", head_dim=64, page_size=16, dtype="fp16", group_size=2, mask="causal")
+    args.update(kw)
+    return AttentionSpec(variant=variant, **args)
+
+
+# --- the default path --------------------------------------------------------------------------------------
+
+def test_default_spec_has_no_variant_code_and_no_variant_in_its_name():
+    for spec in (prefill(), AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)):
+        src = render(spec).source
+        assert "struct Variant" not in src and "VariantPart_" not in src
+        assert "variant" not in spec.canonical()
+        assert "AttentionTraits<T, TO, HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND," in src
+        assert ", Variant>" not in src  # the kernels instantiate the NoVariant default
+
+
+def test_declaring_variants_does_not_change_default_keys():
+    spec = prefill()
+    before = hashlib.sha256(render.__wrapped__(spec).source.encode()).hexdigest()
+    attnjit.Variant("noop", logits_transform="return logit;")
+    after = hashlib.sha256(render.__wrapped__(spec).source.encode()).hexdigest()
+    assert before == after
+
+
+# --- declarations --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    (dict(name="has space"), ValueError, r"Variant name 'has space' must be an identifier"),
+    (dict(params={"cap": str}), TypeError, r"parameter 'cap' has type .*declare float, int or attnjit.TensorParam"),
+    (dict(params={"logit": float}), ValueError, r"parameter name 'logit' is taken by a hook variable"),
+    (dict(params={"for": float}), ValueError, r"parameter name 'for' must be an identifier"),
+    (dict(logits_transform=""), TypeError, r"logits_transform must be a string of CUDA code"),
+    (dict(logits_mask=3), TypeError, r"logits_mask must be a string of CUDA code"),
+    (dict(use_softmax=False), ValueError, r"use_softmax=False needs a logits_transform"),
+])
+def test_bad_declarations_name_the_variant_and_the_problem(kwargs, exc, pattern):
+    kwargs = dict(kwargs)
+    name = kwargs.pop("name", "v")
+    with pytest.raises(exc, match=pattern):
+        attnjit.Variant(name, **kwargs)
+
+
+def test_bad_tensor_param_declarations():
+    with pytest.raises(ValueError, match=r"TensorParam.dtype='float64' is not supported"):
+        attnjit.TensorParam("float64")
+    with pytest.raises(ValueError, match=r"TensorParam.per='row' is not supported"):
+        attnjit.TensorParam("float32", per="row")
+
+
+def test_variants_are_immutable_and_compare_by_content():
+    a = attnjit.Variant("a", params={"c": float}, logits_transform="return logit * c;")
+    b = attnjit.Variant("a", params={"c": float}, logits_transform="return logit * c;")
+    c = attnjit.Variant("a", params={"c": float}, logits_transform="return logit * c * 1.f;")
+    assert a == b and hash(a) == hash(b) and a != c
+    with pytest.raises(AttributeError):
+        a.name = "b"
+
+
+def test_compose_rejects_a_parameter_declared_twice():
+    with pytest.raises(ValueError, match=r"both declare parameter\(s\) \['logits_soft_cap'\]"):
+        V.compose(V.SOFTCAP, attnjit.Variant("other", params={"logits_soft_cap": float}, logits_transform="return logit;"))
+
+
+# --- specs, keys, catalogs -----------------------------------------------------------------------------------
+
+def test_spec_names_an_importable_variant_by_module_attribute_and_round_trips():
+    spec = prefill(HEAD_SCALE)
+    assert json.loads(spec.canonical())["variant"] == "tests.gpu.cases:HEAD_SCALE"
+    assert AttentionSpec.from_dict(json.loads(spec.canonical())) == spec
+    assert AttentionSpec.parse(spec.as_flags()) == spec
+    built = prefill(V.compose(V.SOFTCAP, V.SLIDING_WINDOW))
+    assert json.loads(built.canonical())["variant"] == "attnjit.variants:SOFTCAP+attnjit.variants:SLIDING_WINDOW"
+    assert AttentionSpec.from_dict(json.loads(built.canonical())) == built
+
+
+def test_a_local_variant_is_named_by_digest_and_cannot_come_back_from_a_catalog():
+    local = attnjit.Variant("local", logits_transform="return logit;")
+    spec = prefill(local)
+    name = json.loads(spec.canonical())["variant"]
+    assert name.startswith("local@")
+    with pytest.raises(SpecError, match="not importable"):
+        AttentionSpec.from_dict(json.loads(spec.canonical()))
+
+
+def test_variant_only_for_attention_ops():
+    with pytest.raises(SpecError, match="does not use variant"):
+        AttentionSpec(op="merge_state", head_dim=64, dtype="fp16", variant=V.SOFTCAP)
+
+
+def test_catalog_names_variants_by_module_attribute(tmp_path):
+    cat = tmp_path / "c.toml"
+    cat.write_text('[[spec]]\nop = "decode"\nhead_dim = 128\npage_size = 16\ndtype = "bf16"\ngroup_size = 4\n'
+                   'variant = ["attnjit.variants:SOFTCAP", "tests.gpu.cases:GAINS"]\n')
+    specs = load_catalog(cat)
+    assert [s.variant for s in specs] == [V.SOFTCAP, GAINS]
+    cat.write_text('[[spec]]\nop = "decode"\nhead_dim = 128\npage_size = 16\ndtype = "bf16"\n'
+                   'variant = "attnjit.variants:NOPE"\n')
+    with pytest.raises(CatalogError, match=r"field 'variant'.*NOPE is NoneType, not an attnjit.Variant"):
+        load_catalog(cat)
+
+
+def test_key_changes_when_a_snippet_changes_and_only_then():
+    a = attnjit.Variant("k", params={"c": float}, logits_transform="return logit * c;")
+    a2 = attnjit.Variant("k", params={"c": float}, logits_transform="return logit * c;")
+    b = attnjit.Variant("k", params={"c": float}, logits_transform="return logit * (c);")
+    key = lambda v: jit.job_for(prefill(v)).key  # noqa: E731
+    assert key(a) == key(a2)
+    assert key(a) != key(b)
+    assert key(a) != jit.job_for(prefill()).key
+
+
+def test_rendered_variant_points_nvcc_at_the_snippet():
+    src = render(prefill(HEAD_SCALE)).source
+    assert '#line 1 "variant head_scale: logits_transform"' in src
+    assert "return logit * head_scale[qo_head];" in src
+    lines = src.splitlines()
+    for i, line in enumerate(lines):  # every return to the rendered file names the real next line
+        if line.startswith("#line ") and line.endswith('"kernel.cu"'):
+            assert int(line.split()[1]) == i + 2
+
+
+def test_hook_signatures_in_the_template_match_the_documented_variables():
+    template = (attnjit.generator.TEMPLATE_DIR / "_variant.jinja").read_text()
+    for hook, names in V.HOOK_VARIABLES.items():
+        sig = template.split(f'"{hook}": (')[1].split(")")[0]
+        args = sig.split('"')[3]
+        assert [a.split()[-1] for a in args.split(",")] == list(names), hook
+
+
+# --- real compiles -----------------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_every_builtin_and_user_variant_compiles(tmp_path):
+    cache = attnjit.Cache(tmp_path / "cache", layers=())
+    specs = [prefill(v) for v in list(BUILTINS.values()) + list(USER.values())]
+    specs.append(AttentionSpec(op="decode", head_dim=64, page_size=16, dtype="bf16", group_size=4,
+                               variant=V.compose(V.SOFTCAP, V.SLIDING_WINDOW, V.ALIBI)))
+    results = jit.warm(specs, cache)
+    failed = [(r.job.label, r.error.first_error) for r in results if r.status != "built"]
+    assert not failed, failed
+
+
+@pytest.mark.nvcc
+def test_a_broken_snippet_names_the_variant_the_hook_and_the_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(tmp_path / "cache"))
+    broken = attnjit.Variant("broken", params={"cap": float},
+                             logits_transform="float y = cap;\nreturn logitt * y;")
+    with pytest.raises(CompileError) as info:
+        jit.ensure(AttentionSpec(op="decode", head_dim=64, page_size=16, dtype="fp16", group_size=1, variant=broken))
+    msg = info.value.first_error
+    assert "variant 'broken', logits_transform line 2" in msg
+    assert 'identifier "logitt" is undefined' in msg
+    assert "names logits_transform can use: logit, q_pos, kv_pos" in msg and "parameters: cap" in msg
+    assert info.value.log_path.exists()
+
+
+# --- run() parameters, checked on a CPU-planned wrapper --------------------------------------------------------
+
+def _planned(variant):
+    i = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), variant=variant)
+    w.plan(i([0, 3, 4, 8]), i([0, 2, 3, 6]), i([7, 2, 11, 3, 14, 6]), i([2, 2, 1]), 32, 8, 128, 4, causal=True,
+           q_data_type=torch.float16)
+    return w, torch.randn(8, 32, 128, dtype=torch.float16), torch.randn(15, 2, 4, 8, 128, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("params, exc, pattern", [
+    (dict(), TypeError, r"variant 'head_scale' needs parameter 'head_scale' \(Tensor\(float32, per qo_head\)\)"),
+    (dict(head_scale=1.0), TypeError, r"parameter 'head_scale' must be a torch.Tensor"),
+    (dict(head_scale=torch.ones(31)), ValueError, r"one value per qo_head: 32 elements expected, got 31"),
+    (dict(head_scale=torch.ones(32), extra=1), TypeError, r"variant 'head_scale' has no parameter 'extra'"),
+])
+def test_run_checks_variant_parameters_before_anything_runs(params, exc, pattern):
+    w, q, cache = _planned(HEAD_SCALE)
+    with pytest.raises(exc, match=pattern):
+        w.run(q, cache, **params)
+
+
+def test_scalar_parameter_types_and_lse_of_a_non_softmax_variant():
+    w, q, cache = _planned(USER_SIGMOID)
+    with pytest.raises(TypeError, match=r"variant 'user_sigmoid': parameter 'scale' must be a float, got str"):
+        w.run(q, cache, scale="1", bias=0.0)
+    with pytest.raises(ValueError, match=r"use_softmax=False: its output has no log-sum-exp"):
+        w.run(q, cache, scale=1.0, bias=0.0, return_lse=True)
+    with pytest.raises(attnjit.NoGPUError):  # valid parameters: it gets as far as needing a GPU
+        w.run(q, cache, scale=1.0, bias=0.0)
+
+
+def test_builtins_bind_their_parameters_at_plan_time():
+    w, q, cache = _planned(None)
+    i = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w.plan(i([0, 3, 4, 8]), i([0, 2, 3, 6]), i([7, 2, 11, 3, 14, 6]), i([2, 2, 1]), 32, 8, 128, 4, causal=True,
+           logits_soft_cap=30.0, window_left=2, pos_encoding_mode="ALIBI")
+    spec = w._plan.spec
+    assert [p.name for p in spec.variant.parts] == ["softcap", "sliding_window", "alibi"]
+    assert w._plan.binding.required == []
+    with pytest.raises(TypeError, match="has no parameter 'logits_soft_cap'"):
+        w.run(q, cache, logits_soft_cap=3.0)
+
+
+def test_custom_mask_packing_is_little_endian_per_request():
+    from attnjit.ops._variants import pack_mask_bits
+
+    gen = torch.Generator().manual_seed(0)
+    sizes = [18, 2, 36]
+    mask = torch.rand(sum(sizes), generator=gen) < 0.5
+    packed, indptr = pack_mask_bits(mask, sizes)
+    want, pos = [], 0
+    for n in sizes:  # bit i of a request's mask is bit i % 8 of its byte i // 8
+        bits = mask[pos:pos + n].tolist()
+        want += [sum(1 << j for j in range(8) if b * 8 + j < n and bits[b * 8 + j]) for b in range((n + 7) // 8)]
+        pos += n
+    assert packed.tolist() == want and indptr == [0, 3, 4, 9]

@@ -235,3 +235,23 @@ def test_custom_mask_packing_is_little_endian_per_request():
         want += [sum(1 << j for j in range(8) if b * 8 + j < n and bits[b * 8 + j]) for b in range((n + 7) // 8)]
         pos += n
     assert packed.tolist() == want and indptr == [0, 3, 4, 9]
+
+
+def test_the_parameter_struct_holds_every_variant_field_in_kernel_order():
+    """What run() packs: the kernel's layout, built-ins bound at plan(), run()-time values in their slots."""
+    from attnjit.generator import attention_layout, render, variant_param_name
+
+    w, q, cache = _planned(HEAD_SCALE)
+    i = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    w.plan(i([0, 3, 4, 8]), i([0, 2, 3, 6]), i([7, 2, 11, 3, 14, 6]), i([2, 2, 1]), 32, 8, 128, 4, causal=True,
+           q_data_type=torch.float16, logits_soft_cap=30.0)
+    plan = w._plan
+    layout = attention_layout(plan.spec.variant)
+    assert len(plan.attn_values) == len(layout.names)
+    assert all(info.layout is layout for info in render(plan.spec).kernels.values())
+    assert plan.attn_values[layout.index[variant_param_name("logits_soft_cap")]] == 30.0
+    scale = torch.ones(32)
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, head_scale=scale)
+    assert plan.attn_values[layout.index[variant_param_name("head_scale")]] == scale.data_ptr()
+    layout.struct.pack(*plan.attn_values)  # packs: every field has a value of its type

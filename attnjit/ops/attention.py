@@ -204,7 +204,9 @@ class _AttentionWrapper:
                 "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
             ptr = self._upload(host, tables, batch, plan)
-            self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
+        else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
+            ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
+        self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
         self._plan = plan
 
     def _upload(self, host: dict[str, list[int]], tables: dict[str, torch.Tensor], batch: int,
@@ -272,19 +274,28 @@ class _AttentionWrapper:
                         slots: int) -> None:
         work = plan.work
         d, hq = plan.head_dim, plan.num_qo_heads
-        ws = self._workspace.data_ptr()
+        ws = self._workspace.data_ptr() if kernel is not None else 0
         if self._use_cuda_graph:
             if self._graph_grid is None:
                 self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
             grid_x = self._graph_grid
         else:
             grid_x = work.num_items * plan.num_kv_heads
-        plan.attn = dispatch.Launch(self._op, kernel, (grid_x, 1, 1), plan=plan.decision())
-        plan.attn_values = PARAMS["attention"].values(
+        if kernel is not None:
+            plan.attn = dispatch.Launch(self._op, kernel, (grid_x, 1, 1), plan=plan.decision())
+        binding = plan.binding
+        kinds = binding.kinds()
+        fixed = {variant_param_name(n): check_value(binding.variant, n, kinds[n], v, device=self._device,
+                                                   sizes=plan.variant_sizes) for n, v in binding.bound.items()}
+        fixed.update({variant_param_name(n): 0 for n in binding.required})  # filled by each run()
+        plan.attn_values = attention_layout(plan.spec.variant).values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
-            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"], merge_counters=ptr["merge_counters"],
-            q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0, kv_stride_1=0,
-            num_qo_heads=hq, num_kv_heads=plan.num_kv_heads, sm_scale_log2=sm_scale * _LOG2E)
+            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"],
+            merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
+            kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
+            sm_scale_log2=sm_scale * _LOG2E, **fixed)
+        if kernel is not None:
+            assert len(plan.attn_values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
 
     # --- run ----------------------------------------------------------------------------------------------
 
@@ -347,8 +358,7 @@ class _AttentionWrapper:
                 raise TypeError(f"run(): variant {variant.name!r} needs parameter {name!r} "
                                 f"({getattr(kind, '__name__', None) or kind.describe()})")
             value = check_value(variant, name, kind, kwargs[name], device=self._device, sizes=plan.variant_sizes)
-            if plan.attn_values:
-                plan.attn_values[index] = value
+            plan.attn_values[index] = value
 
     def _launch(self, plan: _Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out,
                 os_, lse) -> None:

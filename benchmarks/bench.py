@@ -276,6 +276,8 @@ def main() -> int:
         bench_decode(fi, DECODE_ROWS, results)
     if args.only in (None, "prefill"):
         bench_prefill(fi, PREFILL_ROWS, results)
+    if results:
+        print(table(results), flush=True)
     variant_rows: list[dict] = []
     if args.only in (None, "variants"):
         bench_variants(fi, variant_rows)
@@ -285,8 +287,6 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": results, "variants": variant_rows}, indent=1))
     print(json.dumps(meta))
-    if results:
-        print(table(results))
     if variant_rows:
         print(variant_table(variant_rows))
     return 0

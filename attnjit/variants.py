@@ -7,7 +7,8 @@
 
 Hooks (each a function body; every snippet sees the variables of HOOK_VARIABLES[hook] and every parameter by its
 own name: scalars as ``float``/``int``, tensors as ``const T*``):
-  query_transform(q)     -> float  each element of a query row before Q K^T (``dim`` is its index)
+  query_transform(q)     -> float  each element of a query row before Q K^T (``dim`` is its index); the result is
+                                   stored back in the query's dtype (fp16/bf16) before the matmul
   logits_transform(logit) -> float  logit = sm_scale * q.k; the result goes into the softmax (or is the weight,
                                    with use_softmax=False)
   logits_mask()          -> bool   false hides the key from the query (combined with causal)

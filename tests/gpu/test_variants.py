@@ -47,8 +47,8 @@ def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: t
         return Hooks(logits=lambda l, p: torch.sigmoid(l * SIG_SCALE + SIG_BIAS), use_softmax=False)
     if f == "head_scale":
         return Hooks(logits=lambda l, p: l * head_scale.double()[:, None, None])
-    if f == "gains":
-        return Hooks(query=lambda q, p: q * Q_GAIN, output=lambda o, p: o * O_GAIN)
+    if f == "gains":  # the transformed query is stored in the query's dtype (documented), as the kernel does
+        return Hooks(query=lambda q, p: (q * Q_GAIN).to(case.dtype).double(), output=lambda o, p: o * O_GAIN)
     raise AssertionError(f)
 
 

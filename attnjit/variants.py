@@ -15,6 +15,7 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``):
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
 Positions are logical: q_pos = kv_len - qo_len + (query index in its request), so causal is kv_pos <= q_pos.
+Snippets may call attnjit::fast_tanh(x) (the hardware tanh.approx) besides CUDA's math functions.
 
 The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention) are declared below the same way.
 A variant's snippets are part of the rendered source, hence of the cache key. Catalogs name a variant by
@@ -242,7 +243,7 @@ def resolve(text: str) -> Variant:
 # --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
 
 SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
-                  logits_transform="return logits_soft_cap * tanhf(logit / logits_soft_cap);")
+                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(logit * (1.f / logits_soft_cap));")
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",

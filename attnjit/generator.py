@@ -16,7 +16,7 @@ from pathlib import Path
 import jinja2
 
 from .specs import AttentionSpec
-from .variants import TENSOR_DTYPES, TensorParam, Variant
+from .variants import TensorParam, Variant
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INCLUDE_DIR = TEMPLATE_DIR / "include"

@@ -89,17 +89,13 @@ def check_layout(value: Any) -> str:
 
 
 def unsupported(**features: Any) -> None:
-    """FlashInfer arguments attnjit accepts for compatibility but does not implement yet."""
-    defaults = {"custom_mask": None, "packed_custom_mask": None, "pos_encoding_mode": "NONE", "window_left": -1,
-                "logits_soft_cap": None, "rope_scale": None, "rope_theta": None, "q_scale": None, "k_scale": None,
-                "v_scale": None, "sinks": None, "use_fp16_qk_reduction": False, "block_tables": None,
-                "seq_lens": None}
+    """FlashInfer arguments attnjit accepts for compatibility but does not implement: any non-default value is a
+    NotImplementedError naming the argument."""
+    defaults = {"use_fp16_qk_reduction": False}  # every other such argument defaults to None
     for name, value in features.items():
         default = defaults.get(name)
-        same = value is default or value == default or (name == "logits_soft_cap" and value in (None, 0, 0.0))
-        if not same:
-            raise NotImplementedError(f"{name}={value!r} is not supported yet by attnjit (custom variants: soft-cap, "
-                                      "sliding window, ALiBi, custom masks come with the variant mechanism)")
+        if not (value is default or value == default):
+            raise NotImplementedError(f"{name}={value!r} is not supported by attnjit")
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class _Plan:
     q_shape: Any = None             # torch.Size([total_q, H_q, D]): what run() expects of q and out
     binding: Binding = field(default_factory=Binding)  # the variant and the parameters plan() fixed
     variant_slots: list = field(default_factory=list)   # (name, struct index, kind) of run()-time parameters
+    layout: Any = None              # the kernel's ParamLayout (PARAMS["attention"] plus the variant's fields)
     variant_sizes: dict = field(default_factory=dict)   # per -> length, for run()'s tensor-parameter checks
     attn: Any = None                # dispatch.Launch
     attn_values: list = field(default_factory=list)
@@ -198,8 +199,9 @@ class _AttentionWrapper:
                      variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": batch,
                                     "request+1": batch + 1, "qo_token": qo[-1]})
         plan.keep += binding.keep
-        layout, kinds = attention_layout(spec.variant), binding.kinds()
-        plan.variant_slots = [(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
+        plan.layout = attention_layout(spec.variant)
+        kinds = binding.kinds()
+        plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
         host = {"work": [x for rec in work.records for x in rec], "work_count": [work.num_items],
                 "merge_counters": [0] * (work.num_groups * num_kv_heads)}
         if on_gpu:
@@ -288,7 +290,7 @@ class _AttentionWrapper:
         fixed = {variant_param_name(n): check_value(binding.variant, n, kinds[n], v, device=self._device,
                                                    sizes=plan.variant_sizes) for n, v in binding.bound.items()}
         fixed.update({variant_param_name(n): 0 for n in binding.required})  # filled by each run()
-        plan.attn_values = attention_layout(plan.spec.variant).values(
+        plan.attn_values = plan.layout.values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
             kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"],
             merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
@@ -469,7 +471,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  variant: Variant | str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant)
-        unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
 
@@ -581,7 +583,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant)
-        unsupported(custom_mask=custom_mask_buf, packed_custom_mask=mask_indptr_buf)
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,

@@ -6,13 +6,27 @@
 #   3. the benchmarks: attnjit vs FlashInfer 0.7.2 (when .bench/flashinfer.tar.xz was carried) vs torch SDPA
 # and prints a short table last. Nothing is installed from the network.
 #
-#   bash scripts/gpu_check.sh [all|tests|bench|sweep] [pytest args...]   (sweep: prefill tile variants too)
-#   carry: .device-cache (pre-built cubins, see `make_device_cache` below) and .bench (FlashInfer bundle)
-# Build the carried cache here first (no GPU needed):
-#   ATTNJIT_CACHE_DIR=.device-cache attnjit warm specs/gpu-tests.toml specs/bench.toml
+#   4. the example model (examples/llama_serving.py): its dispatch record, the catalog from it, and a strict-mode
+#      run (ATTNJIT_JIT=0) from a cache warmed with specs/llama-example.toml on a machine without a GPU
+#   5. the model benchmark (benchmarks/model.py): tokens/s with attnjit and with FlashInfer at the same call sites
+#
+#   bash scripts/gpu_check.sh [all|tests|bench|model|sweep] [pytest args...]   (sweep: prefill tile variants too)
+#   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
+#   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
+if [ "$what" = pack ]; then   # on the build machine: warm both caches and compress them into .carry (cubins ~15x)
+  set -e
+  ATTNJIT_CACHE_DIR=.device-cache python3 -m attnjit.cli warm specs/gpu-tests.toml specs/bench.toml
+  rm -rf .llama-cache && ATTNJIT_CACHE_DIR=.llama-cache python3 -m attnjit.cli warm specs/llama-example.toml
+  mkdir -p .carry
+  for c in device-cache llama-cache; do tar -C ".$c" -cf - . | xz -T0 -6 >".carry/$c.tar.xz"; done
+  du -sh .carry/*; exit 0
+fi
+for c in device-cache llama-cache; do
+  if [ -f ".carry/$c.tar.xz" ] && [ ! -d ".$c" ]; then mkdir -p ".$c" && tar xJf ".carry/$c.tar.xz" -C ".$c"; fi
+done
 sweep=0; if [ "$what" = sweep ]; then sweep=1; what=all; fi
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -31,6 +45,18 @@ if grep -q " built" "$OUT/warm.txt" && [ "$(grep -c '^  built' "$OUT/warm.txt")"
   tar -C "$ATTNJIT_CACHE_DIR" -cJf "$OUT/device-cache.tar.xz" . 2>/dev/null
 fi
 
+fi_flag=--no-flashinfer
+setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT output of an earlier run
+  [ "$fi_flag" = "" ] && return
+  [ -f .bench/flashinfer.tar.xz ] || return
+  mkdir -p /tmp/fi /tmp/fiws && tar xJf .bench/flashinfer.tar.xz -C /tmp/fi &&
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fi/site /tmp/fi/apache_tvm_ffi*.whl >/dev/null 2>&1 &&
+    export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
+           MAX_JOBS=16 && fi_flag=""
+  [ -f .bench/fi-jit.tar.xz ] && tar xJf .bench/fi-jit.tar.xz -C /tmp/fiws
+  fi_files_before=$(find /tmp/fiws -type f | wc -l)
+}
+
 if [ "$what" = all ] || [ "$what" = tests ]; then
   t=$(date +%s)
   python3 -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/junit.xml" -ra "$@" >"$OUT/pytest.txt" 2>&1
@@ -45,29 +71,54 @@ if [ "$sweep" = 1 ]; then
   summary+=("sweep (rc=$?, $(( $(date +%s) - t )) s)")
 fi
 
-if [ "$what" = all ] || [ "$what" = bench ]; then
-  fi_flag=--no-flashinfer
-  if [ -f .bench/flashinfer.tar.xz ]; then
-    mkdir -p /tmp/fi && tar xJf .bench/flashinfer.tar.xz -C /tmp/fi &&
-      python3 -m pip install -q --no-index --no-deps --target /tmp/fi/site /tmp/fi/apache_tvm_ffi*.whl >/dev/null 2>&1 &&
-      export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
-             MAX_JOBS=16 && fi_flag=""
-    mkdir -p /tmp/fiws
-    [ -f .bench/fi-jit.tar.xz ] && tar xJf .bench/fi-jit.tar.xz -C /tmp/fiws  # FlashInfer's JIT output of a run before
+if [ "$what" = all ] || [ "$what" = model ]; then
+  t=$(date +%s)
+  # the record-to-catalog loop: record a run, turn the record into a catalog, compare it with the committed one,
+  # then run again in strict mode from .llama-cache (warmed from specs/llama-example.toml without a GPU)
+  ATTNJIT_LOG="$OUT/llama-run.jsonl" python3 examples/llama_serving.py --graphs >"$OUT/llama-run.txt" 2>&1
+  rc=$?
+  python3 -m attnjit.cli catalog from-log "$OUT/llama-run.jsonl" -o "$OUT/llama-example.toml" >>"$OUT/llama-run.txt" 2>&1
+  same=$(python3 -c "import attnjit as a; print(a.load_catalog('$OUT/llama-example.toml') == a.load_catalog('specs/llama-example.toml'))" 2>&1 | tail -1)
+  summary+=("model run (rc=$rc): $(grep -m1 '^backend' "$OUT/llama-run.txt" | cut -c1-150)")
+  summary+=("  catalog from its record equals specs/llama-example.toml: $same")
+  if [ -d .llama-cache ]; then
+    chmod -R go-w .llama-cache && chmod 700 .llama-cache
+    ATTNJIT_JIT=0 ATTNJIT_CACHE_DIR=$PWD/.llama-cache ATTNJIT_LOG="$OUT/llama-strict.jsonl" \
+      python3 examples/llama_serving.py --graphs >"$OUT/llama-strict.txt" 2>&1
+    rc=$?
+    hits=$(python3 -c "import json,collections; print(dict(collections.Counter(json.loads(l)['binary'] for l in open('$OUT/llama-strict.jsonl'))))" 2>&1 | tail -1)
+    summary+=("  strict run from .llama-cache (ATTNJIT_JIT=0, rc=$rc): dispatches by binary source $hits")
   fi
+  python3 examples/llama_serving.py --check-hf >"$OUT/llama-hf.txt" 2>&1
+  summary+=("  example vs transformers (rc=$?): $(tail -1 "$OUT/llama-hf.txt" | cut -c1-160)")
+fi
+
+if [ "$what" = all ] || [ "$what" = bench ]; then
+  setup_flashinfer
   t=$(date +%s)
   python3 benchmarks/bench.py $fi_flag --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
   summary+=("bench (rc=$?, $(( $(date +%s) - t )) s)")
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")
-  if [ -d /tmp/fiws/.cache ] && [ ! -f .bench/fi-jit.tar.xz ]; then
-    tar -C /tmp/fiws -cf - .cache | xz -T0 -3 >"$OUT/fi-jit.tar.xz"
-  fi
   tail -5 "$OUT/bench.err"
+fi
+
+if [ "$what" = all ] || [ "$what" = model ]; then
+  setup_flashinfer
+  t=$(date +%s)
+  python3 benchmarks/model.py $([ -n "$fi_flag" ] && echo --backends attnjit) --json "$OUT/model.json" \
+    >"$OUT/model.txt" 2>"$OUT/model.err"
+  summary+=("model bench (rc=$?, $(( $(date +%s) - t )) s)")
+  tail -5 "$OUT/model.err"
+fi
+
+if [ -d /tmp/fiws/.cache ] && [ "$(find /tmp/fiws -type f | wc -l)" != "${fi_files_before:-0}" ]; then
+  tar -C /tmp/fiws -cf - .cache | xz -T0 -3 >"$OUT/fi-jit.tar.xz"   # FlashInfer compiled something new: send it back
 fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}"
 [ -f "$OUT/sweep.txt" ] && cat "$OUT/sweep.txt"
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
+[ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
 exit 0

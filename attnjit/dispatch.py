@@ -254,6 +254,12 @@ def module(spec: AttentionSpec, device, cache: Cache | None = None) -> Module:
     return mod
 
 
+def loaded(spec: AttentionSpec, device) -> Module | None:
+    """The spec's module if it is loaded on ``device`` already (no build, no load)."""
+    index = device.index if device.index is not None else _torch().cuda.current_device()
+    return _modules.get((spec, index))
+
+
 def clear_memory() -> None:
     """Forget loaded modules (tests; a process that changed its cache)."""
     _modules.clear()

@@ -117,8 +117,12 @@ if [ -d /tmp/fiws/.cache ] && [ "$(find /tmp/fiws -type f | wc -l)" != "${fi_fil
 fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 [ -f "$OUT/sweep.txt" ] && cat "$OUT/sweep.txt"
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 [ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
+# the device tool brings back only a few files: everything else travels as one archive
+(cd "$OUT" && tar -cJf /tmp/attnjit-details.tar.xz --exclude='*.tar.xz' --exclude=summary.txt . &&
+  mv /tmp/attnjit-details.tar.xz details.tar.xz &&
+  find . -type f ! -name '*.tar.xz' ! -name summary.txt -delete && find . -mindepth 1 -type d -empty -delete)
 exit 0

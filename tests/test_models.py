@@ -3,6 +3,12 @@ batch as a model step, and the whole engine on the CPU (float64 reference attent
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -119,3 +125,38 @@ def test_engine_on_cpu_matches_transformers():
         ours = torch.stack(eng.logits[r.id]).double()
         assert (ours - ref).abs().max().item() < 3e-3, r.id
         assert ref.argmax(-1).tolist() == r.generated, r.id
+
+
+# --- the record-to-catalog loop on the record of a real run (examples/llama_serving.py --graphs on the H200) ------
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "tests" / "data" / "llama-run.jsonl"
+
+
+def _cli(*args, env=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, "-m", "attnjit.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_catalog_from_the_model_record_is_the_committed_catalog(tmp_path):
+    """`attnjit catalog from-log` on the committed record writes specs/llama-example.toml byte for byte: exactly the
+    three specs that ran (append, causal prefill for mixed steps, decode), whatever the binary source was."""
+    records = [json.loads(line) for line in RECORD.read_text().splitlines()]
+    assert {r["op"] for r in records} == {"append_kv", "prefill", "decode"} and len(records) > 3
+    out = tmp_path / "llama-example.toml"
+    proc = _cli("catalog", "from-log", str(RECORD), "-o", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == (ROOT / "specs" / "llama-example.toml").read_text()
+
+
+@pytest.mark.nvcc
+def test_warm_the_model_catalog_without_a_gpu(tmp_path):
+    """What CI does before production: build every spec of the catalog (no GPU needed), once."""
+    env = {"ATTNJIT_CACHE_DIR": str(tmp_path / "cache")}
+    first = _cli("warm", str(ROOT / "specs" / "llama-example.toml"), env=env)
+    assert first.returncode == 0, first.stderr
+    assert "3 specs: 3 built, 0 cached, 0 failed" in first.stdout
+    again = _cli("warm", str(ROOT / "specs" / "llama-example.toml"), env=env)
+    assert "3 specs: 0 built, 3 cached, 0 failed" in again.stdout
+    verify = _cli("cache", "verify", env=env)
+    assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -78,13 +78,9 @@ class _DecodeGraph:
         for _ in range(b - n):           # padded slot: one token in the scratch page 0
             idx.append(0)
             kvp.append(kvp[-1] + 1)
-        h = self.host
-        h[:b] = torch.tensor(toks, dtype=torch.int32)
-        h[b:2 * b] = torch.tensor(pos, dtype=torch.int32)
-        h[2 * b:3 * b + 1] = torch.tensor(kvp, dtype=torch.int32)
-        h[3 * b + 1:4 * b + 1] = torch.tensor(last, dtype=torch.int32)
-        h[4 * b + 1:4 * b + 1 + len(idx)] = torch.tensor(idx, dtype=torch.int32)
-        self.buf.copy_(h, non_blocking=True)
+        vals = toks + pos + kvp + last + idx           # the buffer's layout, in order
+        self.host[:len(vals)] = torch.tensor(vals, dtype=torch.int32)
+        self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
         e.plan_decode(self.wrapper, self.kv_indptr, self.kv_indices[:len(idx)], self.last)
 
     def capture(self, e: Engine) -> None:

@@ -45,6 +45,10 @@ class PageAllocator:
         """The pages of ``seq`` in logical order (a copy)."""
         return list(self._pages.get(seq, ()))
 
+    def table(self, seq) -> list[int]:
+        """The live page list of ``seq`` (not a copy: read it, never change it)."""
+        return self._pages[seq]
+
     def ensure(self, seq, num_tokens: int) -> list[int]:
         """Grow ``seq``'s page list so it holds ``num_tokens`` tokens; returns the newly allocated pages. Raises
         OutOfPagesError (allocating nothing) when the free list is too short."""

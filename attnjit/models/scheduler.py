@@ -164,7 +164,7 @@ class Scheduler:
         for b, it in enumerate(items):
             n = len(it.tokens)
             kv_len = it.start + n
-            pages = self.alloc.pages(it.request.id)[:self.alloc.pages_for(kv_len)]
+            pages = self.alloc.table(it.request.id)   # ensure() sized it for exactly kv_len tokens
             idx += pages
             kvp.append(kvp[-1] + len(pages))
             last.append(kv_len - (len(pages) - 1) * ps)

@@ -82,7 +82,8 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
               max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
     """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i]); ``kv_bases[i]``
     its first page-table entry (paged) or first kv row (ragged)."""
-    tiles = [_ceil(q * group, tile.cta_q) if q else 0 for q in qo_lens]
+    cta_q = tile.cta_q
+    tiles = [-(-(q * group) // cta_q) if q else 0 for q in qo_lens]
     if fixed_chunk is not None:
         if fixed_chunk < 1:
             raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
@@ -95,29 +96,33 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     plan = WorkPlan(tile=tile, slots_target=slots)
     items = []  # (-cost, order, record)
     next_slot = 0
+    cta_q = tile.cta_q
     for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
         if not t:
             continue
         n_chunks = _ceil(k, chunk) if chunk is not None and k > chunk else 1
-        base = -1
-        if n_chunks > 1:
-            base = next_slot
-            next_slot += n_chunks * q
-            plan.split_requests += 1
+        qo_off, kv_base = qo_offsets[i], kv_bases[i]
+        if n_chunks == 1:   # the common case: one item per q tile, the whole history
+            for qt in range(t):
+                rows = min(cta_q, q * group - qt * cta_q)
+                visited = (k - q + (qt * cta_q + rows - 1) // group + 1) if causal else k
+                items.append((-(rows * max(visited, 1)), len(items), (i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base)))
+            continue
+        base = next_slot
+        next_slot += n_chunks * q
+        plan.split_requests += 1
         for qt in range(t):
-            rows = min(tile.cta_q, q * group - qt * tile.cta_q)
-            last_token = (qt * tile.cta_q + rows - 1) // group
+            rows = min(cta_q, q * group - qt * cta_q)
+            last_token = (qt * cta_q + rows - 1) // group
             causal_end = k - q + last_token + 1 if causal else k
-            group_id = -1
-            if n_chunks > 1:
-                group_id = plan.num_groups
-                plan.num_groups += 1
+            group_id = plan.num_groups
+            plan.num_groups += 1
             for c in range(n_chunks):
-                kb = c * chunk if n_chunks > 1 else 0
-                ke = min(k, kb + chunk) if n_chunks > 1 else k
+                kb = c * chunk
+                ke = min(k, kb + chunk)
                 visited = max(0, min(ke, causal_end) - kb)
                 items.append((-(rows * max(visited, 1)), len(items),
-                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_offsets[i], q, k, kv_bases[i])))
+                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_off, q, k, kv_base)))
     if next_slot > max_slots:
         raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
                          f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")

@@ -111,6 +111,34 @@ def runtime_figures() -> dict:
         per.append((time.perf_counter() - t0) / 500 * 1e6)
         torch.cuda.synchronize()
     out["host_us_per_run_memory_hit"] = round(statistics.median(per), 2)
+    # host time of one decode plan() (what a serving step pays before its graph replay), attnjit and FlashInfer
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
+    for batch in (1, 64):
+        indptr = torch.arange(0, (batch + 1) * 72, 72, dtype=torch.int32, device="cuda")
+        indices = torch.arange(batch * 72, dtype=torch.int32, device="cuda")
+        last = torch.full((batch,), 5, dtype=torch.int32, device="cuda")
+        wrappers = {"attnjit": attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)}
+        if flashinfer is not None:
+            wrappers["flashinfer"] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=True)
+        for name, w in wrappers.items():
+            def plan():
+                w.plan(indptr, indices, last, 32, 8, 128, 16, q_data_type=torch.bfloat16,
+                       kv_data_type=torch.bfloat16)
+            for _ in range(10):
+                plan()
+            per = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    plan()
+                torch.cuda.synchronize()
+                per.append((time.perf_counter() - t0) / 50 * 1e6)
+            out[f"host_us_per_decode_plan_b{batch}_{name}"] = round(statistics.median(per), 1)
     return out
 
 

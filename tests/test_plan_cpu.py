@@ -482,3 +482,30 @@ def test_grouped_rows_pack_into_q_tiles():
            q_data_type=torch.float16, causal=True)
     assert w._plan.work.tile == wide
     check_work(w._plan.work, qo_lens=[100], kv_lens=[100], group=7, tile=wide, causal=True, max_slots=10 ** 9)
+
+
+def test_work_list_fast_path_equals_the_general_one():
+    """Batches of one q tile per request and no split take a shortcut; it must list the same items in the same
+    (longest first, stable) order as the general loop, which a huge fixed chunk forces."""
+    import random
+
+    from attnjit.generator import tiles_for
+    from attnjit.ops.scheduler import plan_work
+    from attnjit.specs import AttentionSpec
+
+    rng = random.Random(7)
+    for op, causal in (("decode", False), ("prefill", True), ("prefill", False)):
+        spec = AttentionSpec(op=op, head_dim=128, page_size=16, dtype="bf16", group_size=4,
+                             **({"mask": "causal" if causal else "none"} if op == "prefill" else {}))
+        tile = tiles_for(spec)[0]
+        for _ in range(20):
+            batch = rng.randint(1, 40)
+            qo = [rng.randint(1, tile.cta_q // 4) if op == "prefill" else 1 for _ in range(batch)]
+            kv = [q + rng.choice([0, 1, 5, 100, 3000]) for q in qo]
+            kw = dict(qo_lens=qo, kv_lens=kv, qo_offsets=[sum(qo[:i]) for i in range(batch)],
+                      kv_bases=[rng.randint(0, 999) for _ in range(batch)], group=4, tile=tile, causal=causal,
+                      num_kv_heads=8, slots=1, max_slots=10**6)
+            fast = plan_work(**kw)
+            general = plan_work(**kw, fixed_chunk=10**9)
+            assert fast.chunk is None and general.chunk is None
+            assert fast.records == general.records

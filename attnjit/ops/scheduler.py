@@ -94,9 +94,15 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     else:
         chunk = None
     plan = WorkPlan(tile=tile, slots_target=slots)
+    if chunk is None and all(t == 1 for t in tiles):
+        # fast path (every decode batch, most small prefills): one item per request, the whole history; with one q
+        # tile per request the causal end is the history's end, so the cost is rows x kv length
+        order = sorted(range(len(tiles)), key=lambda i: -(qo_lens[i] * max(kv_lens[i], 1)))
+        plan.records = [(i, 0, 0, kv_lens[i], -1, 0, 1, -1, qo_offsets[i], qo_lens[i], kv_lens[i], kv_bases[i])
+                        for i in order]
+        return plan
     items = []  # (-cost, order, record)
     next_slot = 0
-    cta_q = tile.cta_q
     for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
         if not t:
             continue

@@ -211,8 +211,39 @@ def variant_table(rows) -> str:
 
 
 # Prefill tile variants tried by --sweep: (warps_q, warps_kv, mma_q, mma_kv, stages, min_blocks)
-SWEEP = [(4, 1, 2, 4, 2, 1), (4, 1, 2, 2, 2, 2), (8, 1, 1, 4, 2, 1), (8, 1, 1, 2, 2, 1), (4, 1, 1, 4, 2, 2),
-         (4, 1, 1, 4, 3, 2)]
+SWEEP = [(4, 1, 2, 4, 2, 1), (4, 1, 2, 2, 2, 2), (4, 1, 2, 2, 2, 3), (4, 1, 1, 4, 2, 2), (4, 1, 1, 2, 3, 3),
+         (4, 1, 1, 2, 2, 3), (8, 1, 1, 4, 2, 1)]
+# Decode (narrow) tile variants: group 4 packs into one 16-row block; warps split the KV tile
+SWEEP_DECODE = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 2, 3), (1, 4, 1, 1, 4, 1), (1, 4, 1, 2, 2, 2), (1, 2, 1, 2, 3, 2),
+                (1, 4, 1, 1, 2, 4)]
+
+
+def sweep_decode(rows) -> list[dict]:
+    """Time each SWEEP_DECODE tile as the decode tile (a tuning aid: the winner becomes generator._narrow_tile)."""
+    from attnjit import dispatch, generator
+
+    original = generator._narrow_tile
+    out = []
+    try:
+        for v in SWEEP_DECODE:
+            tile = generator.Tile(D, PS, *v)
+            generator._narrow_tile = lambda hd, ps, g, tile=tile: tile
+            generator.render.cache_clear()
+            dispatch.clear_memory()
+            res: list[dict] = []
+            try:
+                bench_decode(None, rows, res)
+            except Exception as exc:  # noqa: BLE001  (a tile that does not fit: say so, go on)
+                out.append({"tile": tile.name, "variant": v, "error": str(exc)[:200]})
+                continue
+            out.append({"tile": tile.name, "variant": v, "smem": tile.smem,
+                        **{r["shape"]: round(r["attnjit_tbps"], 2) for r in res}})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        generator._narrow_tile = original
+        generator.render.cache_clear()
+        dispatch.clear_memory()
+    return out
 
 
 def sweep_prefill(rows) -> list[dict]:
@@ -228,7 +259,11 @@ def sweep_prefill(rows) -> list[dict]:
             generator.render.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []
-            bench_prefill(None, rows, res, sdpa=False)
+            try:
+                bench_prefill(None, rows, res, sdpa=False)
+            except Exception as exc:  # noqa: BLE001
+                out.append({"tile": tile.name, "variant": v, "error": str(exc)[:200]})
+                continue
             out.append({"tile": tile.name, "variant": v, "smem": tile.smem,
                         **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res}})
             print(json.dumps(out[-1]), flush=True)
@@ -265,7 +300,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     args = ap.parse_args()
     if args.sweep:
-        rows = sweep_prefill(PREFILL_ROWS)
+        rows = sweep_prefill(PREFILL_ROWS) + sweep_decode(DECODE_ROWS)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0

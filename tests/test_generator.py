@@ -216,8 +216,12 @@ def test_prefill_tiles_go_narrow_to_wide():
             ts = tiles_for(spec)
             assert [t.cta_q for t in ts] == sorted(t.cta_q for t in ts)
         elif spec.op == "decode":
-            (t,) = tiles_for(spec)
+            t, *deep = tiles_for(spec)
             assert t.cta_q >= spec.group_size  # one decode row's whole group in one tile
+            # head_dim 128 adds a deeper-pipeline twin of the same shape for batches that need split-KV
+            assert [d.tag for d in deep] == (["deep"] if spec.head_dim_qk == 128 and t.warps_kv == 4 else [])
+            assert all((d.cta_q, d.cta_kv, d.stages, d.min_blocks) == (t.cta_q, t.cta_kv, t.stages + 1, 1)
+                       for d in deep)
 
 
 # --- the static_asserts are live: a real compile -----------------------------------------------------------

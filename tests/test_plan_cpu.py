@@ -368,17 +368,21 @@ def test_one_long_decode_is_split_into_the_smallest_chunk_that_fits_one_wave():
     assert {it["kv_end"] - it["kv_begin"] for it in items} == {1024}
 
 
-def test_cpu_plan_of_the_long_decode_targets_264_slots(monkeypatch):
+def test_cpu_plan_of_the_long_decode_targets_the_deep_tile_slots(monkeypatch):
+    """One long request cannot fill the GPU: plan() takes the deep-pipeline decode tile (one CTA per SM, 132 slots)
+    and cuts 32768 tokens into 16 chunks of 2048 (8 KV heads x 16 = 128 CTAs)."""
     monkeypatch.setenv("ATTNJIT_NUM_SMS", "132")
     w = BatchDecodeWithPagedKVCacheWrapper(workspace())
     pages = 32768 // 16
     w.plan(indptr=i32([0, pages]), indices=i32(list(range(pages))), last_page_len=i32([16]), num_qo_heads=32,
            num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
     d = w.last_plan
-    assert (d["gpu_slots"], d["split_kv"], d["chunk_kv"], d["work_items"], d["ctas"]) == (264, True, 1024, 32, 256)
+    assert (d["gpu_slots"], d["split_kv"], d["chunk_kv"], d["work_items"], d["ctas"]) == (132, True, 2048, 16, 128)
+    assert d["tile"] == "q16_kv64_w1x4_deep"
     w.plan(indptr=i32([0, pages]), indices=i32(list(range(pages))), last_page_len=i32([16]), num_qo_heads=32,
            num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16, disable_split_kv=True)
     assert w.last_plan["split_kv"] is False and w.last_plan["work_items"] == 1
+    assert w.last_plan["tile"] == "q16_kv64_w1x4"   # nothing to split: the standard tile
     w.plan(indptr=i32([0, pages]), indices=i32(list(range(pages))), last_page_len=i32([16]), num_qo_heads=32,
            num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16, fixed_split_size=1000)
     assert w.last_plan["chunk_kv"] == 1024 and w.last_plan["work_items"] == 32
@@ -386,7 +390,13 @@ def test_cpu_plan_of_the_long_decode_targets_264_slots(monkeypatch):
     monkeypatch.setenv("ATTNJIT_NUM_SMS", "16")
     w.plan(indptr=i32([0, pages]), indices=i32(list(range(pages))), last_page_len=i32([16]), num_qo_heads=32,
            num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
-    assert w.last_plan["gpu_slots"] == 32 and w.last_plan["chunk_kv"] == 8192
+    assert w.last_plan["gpu_slots"] == 16 and w.last_plan["chunk_kv"] == 16384
+    # a batch that fills the GPU by itself keeps the standard tile (two CTAs per SM)
+    monkeypatch.setenv("ATTNJIT_NUM_SMS", "132")
+    w.plan(indptr=i32([p * 256 for p in range(65)]), indices=i32(list(range(64 * 256))),
+           last_page_len=i32([16] * 64), num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+           q_data_type=torch.bfloat16)
+    assert w.last_plan["tile"] == "q16_kv64_w1x4" and w.last_plan["split_kv"] is False
 
 
 def test_mixed_lengths_split_only_the_long_requests():

@@ -184,7 +184,14 @@ class _AttentionWrapper:
             raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
         tiles = tiles_for(spec)
         max_rows = max((q * group for q in qo_lens), default=0)
-        tile: Tile = next((t for t in tiles if max_rows <= t.cta_q), tiles[-1])
+        fitting = [t for t in tiles if max_rows <= t.cta_q] or [tiles[-1]]
+        tile: Tile = fitting[0]
+        if len(fitting) > 1 and fitting[1].tag == "deep" and not self._use_cuda_graph:
+            # decode: the deep-pipeline tile when the batch alone cannot fill the GPU (the split-KV case)
+            _, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
+            items = sum(-(-(q * group) // tile.cta_q) for q in qo_lens if q) * num_kv_heads
+            if items < per_sm * sms and not disable_split_kv:
+                tile = fitting[1]
         if self._use_cuda_graph:
             # a captured graph replays the kernel it captured: later plans keep its spec and tile
             if self._graph_spec is None:
@@ -193,20 +200,7 @@ class _AttentionWrapper:
                 raise ValueError(f"use_cuda_graph: plan() asks for {spec.short_name()} but this wrapper's graph "
                                  f"was planned for {self._graph_spec.short_name()}; use one wrapper per kernel spec")
             tile = self._graph_tile
-        kernel = None
-        if on_gpu:
-            memo = self._kernel_memo.get((spec, tile.kernel))
-            if memo is None or memo[0] is not dispatch.loaded(spec, self._device):  # cleared memory reloads
-                module = dispatch.module(spec, self._device)
-                kernel = module.kernels[tile.kernel]
-                memo = (module, kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device))
-                if len(self._kernel_memo) > 64:
-                    self._kernel_memo.clear()
-                self._kernel_memo[(spec, tile.kernel)] = memo
-            _, kernel, per_sm, sms = memo
-        else:
-            per_sm = max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1)))
-            sms = dispatch.num_sms(None)
+        kernel, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
         slot_bytes = num_qo_heads * (head_dim + 1) * 4
         max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
         work = plan_work(qo_lens=qo_lens, kv_lens=kv_lens, qo_offsets=qo[:-1], kv_bases=kv_bases, group=group,
@@ -231,6 +225,20 @@ class _AttentionWrapper:
             ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
         self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
         self._plan = plan
+
+    def _kernel_for(self, spec: AttentionSpec, tile: Tile, on_gpu: bool) -> tuple[Any, int, int]:
+        """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module; memoized per wrapper."""
+        if not on_gpu:
+            return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)
+        memo = self._kernel_memo.get((spec, tile.kernel))
+        if memo is None or memo[0] is not dispatch.loaded(spec, self._device):  # cleared memory reloads
+            module = dispatch.module(spec, self._device)
+            kernel = module.kernels[tile.kernel]
+            memo = (module, kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device))
+            if len(self._kernel_memo) > 64:
+                self._kernel_memo.clear()
+            self._kernel_memo[(spec, tile.kernel)] = memo
+        return memo[1:]
 
     def _upload(self, host: dict[str, list[int]], tables: dict[str, torch.Tensor], batch: int,
                 plan: _Plan) -> dict[str, int]:

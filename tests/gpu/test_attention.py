@@ -235,3 +235,23 @@ def test_run_rejects_tensors_that_do_not_match_the_plan(workspace):
         with pytest.raises(ValueError, match="page id"):
             w.run(b.q, small)
     assert math.isfinite(w.run(b.q, b.cache).float().sum().item())
+
+
+@pytest.mark.parametrize("kv_lens,tile", [((20000,), "q16_kv64_w1x4_deep"), ((3000, 9), "q16_kv64_w1x4_deep"),
+                                          ((700,) * 40, "q16_kv64_w1x4")])
+def test_decode_takes_the_deep_tile_only_when_the_batch_cannot_fill_the_gpu(workspace, kv_lens, tile):
+    """head_dim 128: a batch whose requests x KV heads cannot fill the GPU runs the deep-pipeline tile (split-KV,
+    one CTA per SM); a batch that fills it keeps the standard tile. Both against the reference."""
+    b = make_paged((1,) * len(kv_lens), kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=len(kv_lens))
+    _, kvp, idx, last = b.tensors(DEV)
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    w.plan(kvp, idx, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    w.run(b.q, b.cache, out=out, lse=lse)
+    assert w.last_plan["tile"] == tile
+    assert w.last_plan["split_kv"] == (tile.endswith("deep") and max(kv_lens) > 512)
+    ref_o, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           page_size=16, causal=False)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse)

@@ -81,7 +81,8 @@ class _DecodeGraph:
         vals = toks + pos + kvp + last + idx           # the buffer's layout, in order
         self.host[:len(vals)] = torch.tensor(vals, dtype=torch.int32)
         self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
-        e.plan_decode(self.wrapper, self.kv_indptr, self.kv_indices[:len(idx)], self.last)
+        # plan() reads the indptr arrays from the host copy (no device-to-host copy); the page ids stay on the device
+        e.plan_decode(self.wrapper, self.host[2 * b:3 * b + 1], self.kv_indices[:len(idx)], self.host[3 * b + 1:4 * b + 1])
 
     def capture(self, e: Engine) -> None:
         self.fill(e, None)
@@ -168,9 +169,10 @@ class Engine:
         wrapper.plan(kv_indptr, kv_indices, last, c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
                      **self._plan_args())
 
-    def _upload(self, batch: StepBatch) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor, torch.Tensor]:
+    def _upload(self, batch: StepBatch) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor, torch.Tensor, dict]:
         """One host-to-device copy of the step's int32 metadata; returns token ids, metadata, qo_indptr and the
-        logit rows (views into one device buffer)."""
+        logit rows (views into one device buffer), and the host copies of the indptr arrays for plan() (which
+        then reads them without a device-to-host copy; FlashInfer takes host indptr too)."""
         parts = [batch.token_ids, batch.positions, batch.batch_indices, batch.qo_indptr, batch.kv_indptr,
                  batch.kv_last_page_len, batch.logit_rows, batch.kv_indices]
         flat = [x for p in parts for x in p]
@@ -184,7 +186,11 @@ class Engine:
             off += len(p)
         toks, pos, bidx, qo, kvp, last, rows, idx = views
         meta = AttnMetadata(batch_indices=bidx, positions=pos, kv_indptr=kvp, kv_indices=idx, kv_last_page_len=last)
-        return toks, meta, qo, rows
+        off = [0]
+        for p in parts:
+            off.append(off[-1] + len(p))
+        host_views = {name: host[off[i]:off[i + 1]] for i, name in ((3, "qo_indptr"), (4, "kv_indptr"), (5, "last"))}
+        return toks, meta, qo, rows, host_views
 
     # --- steps ---------------------------------------------------------------------------------------------
 
@@ -208,13 +214,13 @@ class Engine:
             self.stats.graph_replays += 1
             self.stats.buckets[size] = self.stats.buckets.get(size, 0) + 1
         else:
-            toks, meta, qo, rows = self._upload(batch)
+            toks, meta, qo, rows, h = self._upload(batch)
             if batch.decode_only:
                 wrapper = self.decode
-                self.plan_decode(wrapper, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+                self.plan_decode(wrapper, h["kv_indptr"], meta.kv_indices, h["last"])
             else:
                 wrapper = self.prefill
-                self.plan_prefill(qo, meta.kv_indptr, meta.kv_indices, meta.kv_last_page_len)
+                self.plan_prefill(h["qo_indptr"], h["kv_indptr"], meta.kv_indices, h["last"])
             logits = self.model.forward(toks, meta, wrapper, rows)
         next_tokens = logits.argmax(dim=-1).tolist()          # greedy; synchronizes
         dt = time.perf_counter() - t0

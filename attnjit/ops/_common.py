@@ -41,12 +41,15 @@ def check_tensor(name: str, t: Any, *, dtype: torch.dtype | tuple[torch.dtype, .
     return t
 
 
-def check_metadata(name: str, t: Any, device: torch.device, length: int | None = None) -> torch.Tensor:
-    """int32, 1-D, on ``device`` (no silent conversion: int64 metadata is a TypeError)."""
+def check_metadata(name: str, t: Any, device: torch.device, length: int | None = None, *,
+                   host_ok: bool = False) -> torch.Tensor:
+    """int32, 1-D, on ``device`` (no silent conversion: int64 metadata is a TypeError). ``host_ok``: plan()
+    metadata may also be a CPU tensor (as in FlashInfer), which spares plan() a device-to-host copy."""
     if isinstance(t, torch.Tensor) and t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {t.dtype}; convert it with .to(torch.int32) "
                         "(attnjit never converts metadata silently)")
-    check_tensor(name, t, dtype=torch.int32, dim=1, device=device)
+    host = host_ok and isinstance(t, torch.Tensor) and t.device.type == "cpu"
+    check_tensor(name, t, dtype=torch.int32, dim=1, device=None if host else device)
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} elements, got {t.numel()}")
     return t

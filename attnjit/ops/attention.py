@@ -285,6 +285,8 @@ class _AttentionWrapper:
         ptr = {r: base + 4 * regions[r][0] for r in _REGIONS}
         # the request tables the kernels read (qo_indptr comes from `tables` unless the wrapper synthesized it)
         for name, t in tables.items():
+            if t.device.type == "cpu" and not self._use_cuda_graph:  # page ids given on the host
+                t = t.to(self._device, non_blocking=True)
             if self._use_cuda_graph:
                 fixed = self._graph_tables.get(name)
                 if fixed is None or fixed.numel() < t.numel():
@@ -435,9 +437,9 @@ class _PagedMixin:
         """Validate the page table; return (kv lengths, page-table offsets, largest page id)."""
         n_indptr, n_indices, n_last = names
         dev = self._device
-        check_metadata(n_indptr, indptr, dev, batch + 1)
-        check_metadata(n_indices, indices, dev)
-        check_metadata(n_last, last_page_len, dev, batch)
+        check_metadata(n_indptr, indptr, dev, batch + 1, host_ok=True)
+        check_metadata(n_indices, indices, dev, host_ok=True)
+        check_metadata(n_last, last_page_len, dev, batch, host_ok=True)
         kvp = indptr.tolist()
         last = last_page_len.tolist()
         check_indptr(n_indptr, kvp)
@@ -517,7 +519,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         check_page_size(page_size)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
-        check_metadata("qo_indptr", qo_indptr, self._device)
+        check_metadata("qo_indptr", qo_indptr, self._device, host_ok=True)
         if qo_indptr.numel() < 1:
             raise ValueError("qo_indptr must have batch_size + 1 >= 1 elements")
         batch = qo_indptr.numel() - 1
@@ -575,7 +577,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         if data_type is not None:  # FlashInfer's older name for the KV (and q) type
             kv_data_type = kv_data_type or data_type
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
-        check_metadata("indptr", indptr, self._device)
+        check_metadata("indptr", indptr, self._device, host_ok=True)
         if indptr.numel() < 1:
             raise ValueError("indptr must have batch_size + 1 >= 1 elements")
         batch = indptr.numel() - 1
@@ -626,11 +628,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                     **unused)
         group = self._check_prefill_heads(num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo)
         q_dtype, kv_dtype, o_dtype = self._dtypes(q_data_type, kv_data_type, o_data_type)
-        check_metadata("qo_indptr", qo_indptr, self._device)
+        check_metadata("qo_indptr", qo_indptr, self._device, host_ok=True)
         if qo_indptr.numel() < 1:
             raise ValueError("qo_indptr must have batch_size + 1 >= 1 elements")
         batch = qo_indptr.numel() - 1
-        check_metadata("kv_indptr", kv_indptr, self._device, batch + 1)
+        check_metadata("kv_indptr", kv_indptr, self._device, batch + 1, host_ok=True)
         qo, kvp = qo_indptr.tolist(), kv_indptr.tolist()
         check_indptr("qo_indptr", qo)
         check_indptr("kv_indptr", kvp)

@@ -255,3 +255,28 @@ def test_decode_takes_the_deep_tile_only_when_the_batch_cannot_fill_the_gpu(work
                                            page_size=16, causal=False)
     assert_close(out, ref_o, torch.bfloat16)
     assert_lse_close(lse, ref_lse)
+
+
+@pytest.mark.parametrize("indices_on_host", [False, True])
+def test_plan_takes_host_metadata(workspace, indices_on_host):
+    """qo_indptr / kv indptr / last_page_len on the host (FlashInfer accepts both; it spares plan() a device-to-host
+    copy), page ids on the host or the device: the same results as the reference, for prefill and decode."""
+    b = make_paged((5, 1, 9), (40, 17, 300), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=11)
+    qo, kvp, idx, last = (i32(x, "cpu") for x in (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len))
+    if not indices_on_host:
+        idx = idx.to(DEV)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(qo, kvp, idx, last, 32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    out = poisoned(b.q.shape, torch.bfloat16, DEV)
+    w.run(b.q, b.cache, out=out)
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   page_size=16, causal=True)
+    assert_close(out, ref, torch.bfloat16)
+    d = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    d.plan(kvp, idx, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    q = b.q[:3].contiguous()
+    out = poisoned(q.shape, torch.bfloat16, DEV)
+    d.run(q, b.cache, out=out)
+    ref, _ = reference.batch_decode(q, b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, page_size=16)
+    assert_close(out, ref, torch.bfloat16)

@@ -274,6 +274,34 @@ def sweep_prefill(rows) -> list[dict]:
     return out
 
 
+def sweep_grid(rows) -> list[dict]:
+    """Prefill with a persistent grid (CTAs loop over the work list with stride gridDim.x) of 1x, 2x or 3x the
+    resident slots, against one CTA per (item, head): does CTA launch/retire cost matter on short rows?"""
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    out = []
+    for batch, length in rows:
+        indptr, indices, last, cache = paged_tables(batch, length, seed=1)
+        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
+        flops = 4 * batch * H_Q * D * length * length / 2
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+        w.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
+        o = torch.empty_like(q)
+        full = w._plan.attn.grid
+        slots = w._plan.work.slots_target
+        row = {"shape": f"{batch}x{length}", "ctas": full[0], "slots": slots}
+        ref = w.run(q, cache).float()
+        for name, g in (("one_per_item", full[0]), ("persistent_1x", slots), ("persistent_2x", 2 * slots),
+                        ("persistent_3x", 3 * slots)):
+            w._plan.attn.grid = (min(g, full[0]), 1, 1)
+            row[name] = round(flops / time_ms(lambda: w.run(q, cache, out=o)) / 1e9, 1)
+            row[name + "_maxdiff"] = (o.float() - ref).abs().max().item()
+        w._plan.attn.grid = full
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    return out
+
+
 def table(results) -> str:
     lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling | other |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -298,7 +326,13 @@ def main() -> int:
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
+    ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
     args = ap.parse_args()
+    if args.grid_sweep:
+        rows = sweep_grid(PREFILL_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.sweep:
         rows = sweep_prefill(PREFILL_ROWS) + sweep_decode(DECODE_ROWS)
         if args.json:

@@ -185,13 +185,17 @@ class Kernel:
         self.module, self.info, self.fn = module, info, fn
         self.ptr = fn.ptr
         self.layout: ParamLayout = info.layout
+        self._occupancy: dict[tuple[int, int], int] = {}
 
     def occupancy(self, threads: int | None = None, smem: int | None = None) -> int:
-        import cupy
+        """Resident CTAs per SM (memoized: plan() asks every step)."""
+        key = (threads or self.info.threads, self.info.smem if smem is None else smem)
+        if key not in self._occupancy:
+            import cupy
 
-        with cupy.cuda.Device(self.module.device_index):
-            return cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                self.ptr, threads or self.info.threads, self.info.smem if smem is None else smem)
+            with cupy.cuda.Device(self.module.device_index):
+                self._occupancy[key] = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.ptr, *key)
+        return self._occupancy[key]
 
 
 class Launch:
@@ -237,27 +241,23 @@ _modules_lock = threading.Lock()
 def module(spec: AttentionSpec, device, cache: Cache | None = None) -> Module:
     """The spec's module loaded on ``device`` (memoized per spec and device; built or read from disk once)."""
     torch = _torch()
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
     if dev.type != "cuda":
         raise NoGPUError(f"attnjit kernels run on CUDA devices; got device {dev}")
+    if dev.index is not None:  # a memory hit is one dict lookup: plan() asks for its module every step
+        mod = _modules.get((spec, dev.index))
+        if mod is not None:
+            return mod
     if not torch.cuda.is_available():
         raise NoGPUError("no CUDA device is available (torch.cuda.is_available() is False)")
     index = dev.index if dev.index is not None else torch.cuda.current_device()
     memo = (spec, index)
-    mod = _modules.get(memo)
-    if mod is None:
-        with _modules_lock:
-            mod = _modules.get(memo)
-            if mod is None:
-                mod = Module(ensure(spec, cache), index)
-                _modules[memo] = mod
+    with _modules_lock:
+        mod = _modules.get(memo)
+        if mod is None:
+            mod = Module(ensure(spec, cache), index)
+            _modules[memo] = mod
     return mod
-
-
-def loaded(spec: AttentionSpec, device) -> Module | None:
-    """The spec's module if it is loaded on ``device`` already (no build, no load)."""
-    index = device.index if device.index is not None else _torch().cuda.current_device()
-    return _modules.get((spec, index))
 
 
 def clear_memory() -> None:

@@ -218,60 +218,42 @@ SWEEP_DECODE = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 2, 3), (1, 4, 1, 1, 4, 1), (1, 
                 (1, 4, 1, 1, 2, 4)]
 
 
-def sweep_decode(rows) -> list[dict]:
-    """Time each SWEEP_DECODE tile as the decode tile (a tuning aid: the winner becomes generator._narrow_tile)."""
+def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> list[dict]:
+    """Time each tile variant as ``generator.<factory>``'s tile (a tuning aid: the winner goes into the
+    generator). ``run_rows(res)`` appends one result row per shape; a tile that does not build is reported."""
     from attnjit import dispatch, generator
 
-    original = generator._narrow_tile
+    original = getattr(generator, factory)
     out = []
     try:
-        for v in SWEEP_DECODE:
+        for v in variants:
             tile = generator.Tile(D, PS, *v)
-            generator._narrow_tile = lambda hd, ps, g, tile=tile: tile
+            setattr(generator, factory, lambda *args, tile=tile: tile)
             generator.render.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []
             try:
-                bench_decode(None, rows, res)
+                run_rows(res)
             except Exception as exc:  # noqa: BLE001  (a tile that does not fit: say so, go on)
                 out.append({"tile": tile.name, "variant": v, "error": str(exc)[:200]})
                 continue
             out.append({"tile": tile.name, "variant": v, "smem": tile.smem,
-                        **{r["shape"]: round(r["attnjit_tbps"], 2) for r in res}})
+                        **{r["shape"]: round(r[metric], digits) for r in res}})
             print(json.dumps(out[-1]), flush=True)
     finally:
-        generator._narrow_tile = original
+        setattr(generator, factory, original)
         generator.render.cache_clear()
         dispatch.clear_memory()
     return out
+
+
+def sweep_decode(rows) -> list[dict]:
+    return _sweep_tiles("_narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
 
 def sweep_prefill(rows) -> list[dict]:
-    """Time each SWEEP tile as the wide prefill tile (a tuning aid: the winner becomes generator._wide_tile)."""
-    from attnjit import dispatch, generator
-
-    original = generator._wide_tile
-    out = []
-    try:
-        for v in SWEEP:
-            tile = generator.Tile(D, PS, *v)
-            generator._wide_tile = lambda hd, ps, tile=tile: tile
-            generator.render.cache_clear()
-            dispatch.clear_memory()
-            res: list[dict] = []
-            try:
-                bench_prefill(None, rows, res, sdpa=False)
-            except Exception as exc:  # noqa: BLE001
-                out.append({"tile": tile.name, "variant": v, "error": str(exc)[:200]})
-                continue
-            out.append({"tile": tile.name, "variant": v, "smem": tile.smem,
-                        **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res}})
-            print(json.dumps(out[-1]), flush=True)
-    finally:
-        generator._wide_tile = original
-        generator.render.cache_clear()
-        dispatch.clear_memory()
-    return out
+    return _sweep_tiles("_wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False),
+                        "attnjit_tflops", 1)
 
 
 def sweep_grid(rows) -> list[dict]:

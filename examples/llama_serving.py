@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from attnjit.models import Engine, LlamaConfig, LlamaWeights
+from attnjit.models import Engine, LlamaConfig, LlamaWeights, transformers_logits
 
 # (prompt length, tokens to generate, arrival step): requests join while others decode and leave at different steps
 WORKLOAD = [(37, 12, 0), (5, 20, 0), (130, 8, 1), (1, 16, 3), (64, 10, 6), (300, 6, 9)]
@@ -33,15 +33,10 @@ def compare_with_hf(config: LlamaConfig, weights: LlamaWeights, engine: Engine, 
     """Teacher-forced check: transformers' logits for each request's prompt + generated tokens, position by
     position, against the logits the engine produced at each step. Greedy tokens are equal exactly when
     transformers' argmax at every position is the engine's token."""
-    from transformers import LlamaForCausalLM
-
-    hf = LlamaForCausalLM(config.to_hf()).to(device=device, dtype=torch.float32).eval()
-    hf.load_state_dict({k: v.float() for k, v in weights.to_hf_state_dict().items()}, strict=True)
+    ref_logits = transformers_logits(config, weights, requests, device)
     worst_abs, worst_rel, min_margin, mismatches = 0.0, 0.0, float("inf"), []
     for r in requests:
-        seq = r.prompt + r.generated
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([seq[:-1]], device=device)).logits[0, len(r.prompt) - 1:].double().cpu()
+        ref = ref_logits[r.id]
         ours = torch.stack(engine.logits[r.id]).double()
         worst_abs = max(worst_abs, (ours - ref).abs().max().item())
         worst_rel = max(worst_rel, ((ours - ref).norm() / ref.norm()).item())

@@ -13,15 +13,8 @@ import pytest
 import torch
 
 from attnjit import reference
-from attnjit.models import (
-    Engine,
-    LlamaConfig,
-    LlamaWeights,
-    OutOfPagesError,
-    PageAllocator,
-    Request,
-    Scheduler,
-)
+from attnjit.models import (Engine, LlamaConfig, LlamaWeights, OutOfPagesError, PageAllocator, Request, Scheduler,
+                            transformers_logits)
 
 
 def test_allocator_reuses_pages_and_never_shares_or_leaks():
@@ -106,7 +99,7 @@ def test_scheduler_chunks_admits_on_arrival_and_frees_on_finish():
 def test_engine_on_cpu_matches_transformers():
     """The whole engine (paging, chunked prefill mixed with decode, RoPE positions, GQA) with the float64
     reference attention, against transformers' LlamaForCausalLM in float32: equal greedy tokens."""
-    transformers = pytest.importorskip("transformers", reason="needs transformers (the 'model' extra)")
+    pytest.importorskip("transformers", reason="needs transformers (the 'model' extra)")
     cfg = LlamaConfig.tiny(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=1, vocab_size=512)
     w = LlamaWeights.random(cfg, dtype=torch.float32, device="cpu", seed=1)
     eng = Engine(cfg, w, backend="reference", device="cpu", dtype=torch.float32, attn_dtype=torch.float16,
@@ -117,11 +110,9 @@ def test_engine_on_cpu_matches_transformers():
             for n, m, t in ((3, 6, 0), (1, 4, 0), (20, 5, 1), (9, 8, 3), (5, 3, 6))]
     eng.run()
     assert eng.stats.mixed_steps and eng.stats.decode_steps and eng.alloc.reuses > 0 and eng.alloc.num_used == 0
-    hf = transformers.LlamaForCausalLM(cfg.to_hf()).eval()
-    hf.load_state_dict(w.to_hf_state_dict(), strict=True)
+    refs = transformers_logits(cfg, w, reqs, "cpu")
     for r in reqs:
-        with torch.no_grad():
-            ref = hf(input_ids=torch.tensor([(r.prompt + r.generated)[:-1]])).logits[0, len(r.prompt) - 1:].double()
+        ref = refs[r.id]
         ours = torch.stack(eng.logits[r.id]).double()
         assert (ours - ref).abs().max().item() < 3e-3, r.id
         assert ref.argmax(-1).tolist() == r.generated, r.id
@@ -160,3 +151,26 @@ def test_warm_the_model_catalog_without_a_gpu(tmp_path):
     assert "3 specs: 0 built, 3 cached, 0 failed" in again.stdout
     verify = _cli("cache", "verify", env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_bad_requests_and_settings_name_the_problem():
+    from attnjit.models.backends import load_ops
+
+    cfg = LlamaConfig.tiny(hidden_size=256, intermediate_size=256, num_layers=1, vocab_size=64)
+    w = LlamaWeights.random(cfg, dtype=torch.float32, device="cpu", seed=0)
+    eng = Engine(cfg, w, backend="reference", device="cpu", dtype=torch.float32, attn_dtype=torch.float16,
+                 page_size=4, num_pages=8, max_model_len=32, max_running=2)
+    with pytest.raises(ValueError, match="outside 0..63"):
+        eng.add([1, 64], 2)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.add([], 2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        eng.add([1], 0)
+    with pytest.raises(ValueError, match="exceeds max_model_len=32"):
+        eng.add([1] * 30, 5)
+    with pytest.raises(ValueError, match="unknown attention backend 'vllm'"):
+        load_ops("vllm")
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a CUDA device"):
+        Engine(cfg, w, backend="reference", device="cpu", dtype=torch.float32, cuda_graphs=True)
+    with pytest.raises(ValueError, match="num_heads=6 must be a multiple of num_kv_heads=4"):
+        LlamaConfig.tiny(num_heads=6, num_kv_heads=4)

@@ -521,3 +521,23 @@ def test_work_list_fast_path_equals_the_general_one():
             general = plan_work(**kw, fixed_chunk=10**9)
             assert fast.chunk is None and general.chunk is None
             assert fast.records == general.records
+
+
+def test_loaded_module_is_one_lookup_and_no_gpu_is_still_reported():
+    """dispatch.module(): a module already loaded on cuda:N comes back from memory without touching CUDA (plan()
+    and append ask every step); anything else still needs a GPU and says so."""
+    from attnjit import dispatch
+
+    spec = AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)
+    sentinel = object()
+    dispatch._modules[(spec, 0)] = sentinel
+    try:
+        assert dispatch.module(spec, torch.device("cuda", 0)) is sentinel
+        assert dispatch.module(spec, "cuda:0") is sentinel
+    finally:
+        dispatch.clear_memory()
+    with pytest.raises(NoGPUError, match="run on CUDA devices; got device cpu"):
+        dispatch.module(spec, "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(NoGPUError, match="no CUDA device is available"):
+            dispatch.module(spec, "cuda:0")

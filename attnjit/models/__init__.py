@@ -7,9 +7,9 @@ Attention goes through FlashInfer-shaped wrappers picked by name (``backend="att
 """
 
 from .engine import Engine, EngineStats
-from .llama import LlamaConfig, LlamaWeights, PagedLlama
+from .llama import LlamaConfig, LlamaWeights, PagedLlama, transformers_logits
 from .paging import OutOfPagesError, PageAllocator
 from .scheduler import Request, Scheduler, StepBatch
 
 __all__ = ["Engine", "EngineStats", "LlamaConfig", "LlamaWeights", "OutOfPagesError", "PageAllocator", "PagedLlama",
-           "Request", "Scheduler", "StepBatch"]
+           "Request", "Scheduler", "StepBatch", "transformers_logits"]

@@ -56,6 +56,7 @@ class _DecodeGraph:
         self.tokens, self.positions = self.buf[:b], self.buf[b:2 * b]
         self.kv_indptr, self.last = self.buf[2 * b:3 * b + 1], self.buf[3 * b + 1:4 * b + 1]
         self.kv_indices = self.buf[4 * b + 1:]
+        self.host_kv_indptr, self.host_last = self.host[2 * b:3 * b + 1], self.host[3 * b + 1:4 * b + 1]
         self.batch_indices = torch.arange(b, dtype=torch.int32, device=dev)
         self.meta = AttnMetadata(batch_indices=self.batch_indices, positions=self.positions, kv_indptr=self.kv_indptr,
                                  kv_indices=self.kv_indices, kv_last_page_len=self.last)
@@ -82,7 +83,7 @@ class _DecodeGraph:
         self.host[:len(vals)] = torch.tensor(vals, dtype=torch.int32)
         self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
         # plan() reads the indptr arrays from the host copy (no device-to-host copy); the page ids stay on the device
-        e.plan_decode(self.wrapper, self.host[2 * b:3 * b + 1], self.kv_indices[:len(idx)], self.host[3 * b + 1:4 * b + 1])
+        e.plan_decode(self.wrapper, self.host_kv_indptr, self.kv_indices[:len(idx)], self.host_last)
 
     def capture(self, e: Engine) -> None:
         self.fill(e, None)
@@ -169,9 +170,9 @@ class Engine:
         wrapper.plan(kv_indptr, kv_indices, last, c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
                      **self._plan_args())
 
-    def _upload(self, batch: StepBatch) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor, torch.Tensor, dict]:
-        """One host-to-device copy of the step's int32 metadata; returns token ids, metadata, qo_indptr and the
-        logit rows (views into one device buffer), and the host copies of the indptr arrays for plan() (which
+    def _upload(self, batch: StepBatch) -> tuple[torch.Tensor, AttnMetadata, torch.Tensor, dict]:
+        """One host-to-device copy of the step's int32 metadata; returns token ids, metadata and the logit rows
+        (views into one device buffer), and the host copies of the indptr arrays for plan() (which
         then reads them without a device-to-host copy; FlashInfer takes host indptr too)."""
         parts = [batch.token_ids, batch.positions, batch.batch_indices, batch.qo_indptr, batch.kv_indptr,
                  batch.kv_last_page_len, batch.logit_rows, batch.kv_indices]
@@ -180,17 +181,15 @@ class Engine:
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        views, off = [], 0
+        bounds = [0]
         for p in parts:
-            views.append(dev[off:off + len(p)])
-            off += len(p)
-        toks, pos, bidx, qo, kvp, last, rows, idx = views
+            bounds.append(bounds[-1] + len(p))
+        views = [dev[a:b] for a, b in zip(bounds, bounds[1:])]
+        toks, pos, bidx, _, kvp, last, rows, idx = views
         meta = AttnMetadata(batch_indices=bidx, positions=pos, kv_indptr=kvp, kv_indices=idx, kv_last_page_len=last)
-        off = [0]
-        for p in parts:
-            off.append(off[-1] + len(p))
-        host_views = {name: host[off[i]:off[i + 1]] for i, name in ((3, "qo_indptr"), (4, "kv_indptr"), (5, "last"))}
-        return toks, meta, qo, rows, host_views
+        host_views = {name: host[bounds[i]:bounds[i + 1]] for i, name in ((3, "qo_indptr"), (4, "kv_indptr"),
+                                                                          (5, "last"))}
+        return toks, meta, rows, host_views
 
     # --- steps ---------------------------------------------------------------------------------------------
 
@@ -214,7 +213,7 @@ class Engine:
             self.stats.graph_replays += 1
             self.stats.buckets[size] = self.stats.buckets.get(size, 0) + 1
         else:
-            toks, meta, qo, rows, h = self._upload(batch)
+            toks, meta, rows, h = self._upload(batch)
             if batch.decode_only:
                 wrapper = self.decode
                 self.plan_decode(wrapper, h["kv_indptr"], meta.kv_indices, h["last"])

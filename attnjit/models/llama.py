@@ -122,6 +122,23 @@ class LlamaWeights:
         return sd
 
 
+def transformers_logits(config: LlamaConfig, weights: LlamaWeights, requests, device) -> dict[int, torch.Tensor]:
+    """The float32 transformers ``LlamaForCausalLM`` with the same weights, on each finished request's prompt +
+    generated tokens: {request id: float64 CPU logits [max_new_tokens, V]}, row i the logits that chose generated
+    token i (teacher forcing on the request's own tokens; greedy decoding agrees with transformers exactly when
+    every row's argmax is the token generated)."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM(config.to_hf()).to(device=device, dtype=torch.float32).eval()
+    hf.load_state_dict({k: v.float() for k, v in weights.to_hf_state_dict().items()}, strict=True)
+    out = {}
+    with torch.no_grad():
+        for r in requests:
+            ids = torch.tensor([(r.prompt + r.generated)[:-1]], device=device)
+            out[r.id] = hf(input_ids=ids).logits[0, len(r.prompt) - 1:].double().cpu()
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: normalize in float32, cast back, then scale."""
     x32 = x.float()
@@ -174,8 +191,8 @@ class PagedLlama:
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
-    def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention, logit_rows: torch.Tensor | None,
-                *, attn_out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, meta: AttnMetadata, attention,
+                logit_rows: torch.Tensor | None) -> torch.Tensor:
         """token_ids [nnz] -> logits [rows, V] (float32) of ``logit_rows`` (all rows when None). ``attention`` is a
         planned wrapper; each layer appends its K/V to the cache, then runs it."""
         c, w = self.config, self.w
@@ -194,7 +211,7 @@ class PagedLlama:
             cache = self.layer_caches[i]
             self.ops.append_paged_kv_cache(k, v, meta.batch_indices, meta.positions, cache, meta.kv_indices,
                                            meta.kv_indptr, meta.kv_last_page_len, "NHD")
-            o = attention.run(q, cache, out=None if attn_out is None else attn_out[:n])
+            o = attention.run(q, cache)
             h = h + o.reshape(n, hq * d).to(self.dtype) @ lw.o.T
             x = rms_norm(h, lw.ln2, c.rms_norm_eps)
             gate, up = (x @ lw.gate_up.T).chunk(2, dim=-1)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..specs import HEAD_DIMS, MAX_PAGE_SIZE
+from ..specs import HEAD_DIMS, MAX_PAGE_SIZE, AttentionSpec
 
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -144,3 +144,19 @@ def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
                          f"({layout} layout); got strides {k.stride()}. Use a contiguous cache.")
     return PagedCache(k=k, v=v, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
                       stride_page=k.stride(0), stride_inner=k.stride(1), k_ptr=k.data_ptr(), v_ptr=v.data_ptr())
+
+
+_specs: dict[tuple, AttentionSpec] = {}
+
+
+def spec_for(**fields: Any) -> AttentionSpec:
+    """AttentionSpec(**fields), memoized: plan() and append run every step and a spec validates itself on
+    construction."""
+    key = tuple(fields.items())
+    spec = _specs.get(key)
+    if spec is None:
+        spec = AttentionSpec(**fields)
+        if len(_specs) > 256:   # variants composed per plan would otherwise grow it without bound
+            _specs.clear()
+        _specs[key] = spec
+    return spec

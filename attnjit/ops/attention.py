@@ -22,7 +22,7 @@ from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from ._variants import Binding, bind, check_value
 from ._common import (SPEC_DTYPE, PagedCache, as_dtype, check_head_dim, check_heads, check_indptr, check_layout,
-                      check_metadata, check_page_size, check_tensor, unpack_paged_cache, unsupported)
+                      check_metadata, check_page_size, check_tensor, spec_for, unpack_paged_cache, unsupported)
 from .scheduler import WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
@@ -73,21 +73,6 @@ def _arch_for(device: torch.device) -> str:
     return knobs.ARCH.get() or DEFAULT_ARCH
 
 
-_specs: dict[tuple, AttentionSpec] = {}
-
-
-def _spec(**fields: Any) -> AttentionSpec:
-    """AttentionSpec(**fields), memoized: plan() runs every step and a spec validates itself on construction."""
-    key = tuple(fields.items())
-    spec = _specs.get(key)
-    if spec is None:
-        spec = AttentionSpec(**fields)
-        if len(_specs) > 256:   # variants composed per plan would otherwise grow it without bound
-            _specs.clear()
-        _specs[key] = spec
-    return spec
-
-
 class _AttentionWrapper:
     """State shared by the three batch wrappers: workspace, layout, CUDA-graph buffers, the current plan."""
 
@@ -118,7 +103,6 @@ class _AttentionWrapper:
         self._graph_spec: AttentionSpec | None = None
         self._graph_tile: Tile | None = None
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
-        self._kernel_memo: dict[tuple, tuple] = {}  # (spec, kernel name) -> (module, kernel, CTAs per SM, SMs)
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -227,18 +211,11 @@ class _AttentionWrapper:
         self._plan = plan
 
     def _kernel_for(self, spec: AttentionSpec, tile: Tile, on_gpu: bool) -> tuple[Any, int, int]:
-        """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module; memoized per wrapper."""
+        """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module."""
         if not on_gpu:
             return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)
-        memo = self._kernel_memo.get((spec, tile.kernel))
-        if memo is None or memo[0] is not dispatch.loaded(spec, self._device):  # cleared memory reloads
-            module = dispatch.module(spec, self._device)
-            kernel = module.kernels[tile.kernel]
-            memo = (module, kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device))
-            if len(self._kernel_memo) > 64:
-                self._kernel_memo.clear()
-            self._kernel_memo[(spec, tile.kernel)] = memo
-        return memo[1:]
+        kernel = dispatch.module(spec, self._device).kernels[tile.kernel]
+        return kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device)
 
     def _upload(self, host: dict[str, list[int]], tables: dict[str, torch.Tensor], batch: int,
                 plan: _Plan) -> dict[str, int]:
@@ -535,7 +512,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         causal = causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             _check_causal(qo, kv_lens)
-        spec = _spec(op="prefill", head_dim=head_dim_qk, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
+        spec = spec_for(op="prefill", head_dim=head_dim_qk, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", layout=self._kv_layout, kv="paged",
                              group_size=group, variant=binding.variant, arch=_arch_for(self._device))
@@ -591,7 +568,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         qo = list(range(batch + 1))
         binding = self._bind(qo, kv_lens, num_qo_heads, logits_soft_cap=logits_soft_cap, window_left=window_left,
                              pos_encoding_mode=pos_encoding_mode)
-        spec = _spec(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
+        spec = spec_for(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
                              group_size=group, variant=binding.variant, arch=_arch_for(self._device))
         self._finish_plan(spec=spec, qo=qo, kv_lens=kv_lens, kv_bases=kv_bases, num_qo_heads=num_qo_heads,
@@ -643,7 +620,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         causal = causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             _check_causal(qo, kv_lens)
-        spec = _spec(op="prefill", head_dim=head_dim_qk, dtype_q=SPEC_DTYPE[q_dtype],
+        spec = spec_for(op="prefill", head_dim=head_dim_qk, dtype_q=SPEC_DTYPE[q_dtype],
                              dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
                              mask="causal" if causal else "none", kv="ragged", group_size=group,
                              variant=binding.variant, arch=_arch_for(self._device))

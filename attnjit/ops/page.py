@@ -6,8 +6,7 @@ import torch
 
 from .. import dispatch
 from ..generator import PARAMS
-from ..specs import AttentionSpec
-from ._common import SPEC_DTYPE, check_layout, check_metadata, check_tensor, unpack_paged_cache
+from ._common import SPEC_DTYPE, check_layout, check_metadata, check_tensor, spec_for, unpack_paged_cache
 
 _launches: dict[tuple, dispatch.Launch] = {}
 
@@ -65,15 +64,13 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
         _check_values(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, cache)
     if nnz == 0:
         return
-    memo = (cache.head_dim, cache.page_size, cache.k.dtype, kv_layout, dev, dispatch.device_arch(dev))
-    launch = _launches.get(memo)
-    if launch is None or launch.kernel.module is not dispatch.loaded(launch.spec, dev):  # memory cleared: reload
-        spec = AttentionSpec(op="append_kv", head_dim=cache.head_dim, page_size=cache.page_size,
-                             dtype_kv=SPEC_DTYPE[cache.k.dtype], layout=kv_layout, arch=memo[-1])
-        mod = dispatch.module(spec, dev)
+    spec = spec_for(op="append_kv", head_dim=cache.head_dim, page_size=cache.page_size,
+                    dtype_kv=SPEC_DTYPE[cache.k.dtype], layout=kv_layout, arch=dispatch.device_arch(dev))
+    mod = dispatch.module(spec, dev)
+    launch = _launches.get((spec, mod.device_index))
+    if launch is None or launch.kernel.module is not mod:  # first call, or the module was reloaded
         launch = dispatch.Launch("append_kv", mod.kernels["attnjit_append_kv"], (1, 1, 1))
-        launch.spec = spec
-        _launches[memo] = launch
+        _launches[(spec, mod.device_index)] = launch
     threads = nnz * cache.num_kv_heads * (cache.head_dim // 8)
     launch.grid = (-(-threads // 128), 1, 1)
     launch(PARAMS["append"].values(

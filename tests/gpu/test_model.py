@@ -9,9 +9,9 @@ import torch
 
 import attnjit
 from attnjit import dispatch
-from attnjit.models import Engine, LlamaConfig, LlamaWeights
+from attnjit.models import Engine, LlamaConfig, LlamaWeights, transformers_logits
 
-transformers = pytest.importorskip("transformers", reason="the model tests need transformers (the 'model' extra)")
+pytest.importorskip("transformers", reason="the model tests need transformers (the 'model' extra)")
 
 DEV = "cuda"
 # (prompt length, tokens to generate, arrival step): 6 requests over 4 slots, so some wait for others to finish
@@ -35,19 +35,6 @@ def _engine(weights, dtype, *, graphs=False, max_batch_tokens=128, seed=1, workl
     return eng, reqs
 
 
-def _hf_logits(weights, reqs):
-    """transformers (float32, on the GPU) on each request's prompt + generated tokens: the logits that predicted
-    each generated token (teacher forcing on the engine's own tokens)."""
-    hf = transformers.LlamaForCausalLM(CONFIG.to_hf()).to(device=DEV, dtype=torch.float32).eval()
-    hf.load_state_dict({k: v.float() for k, v in weights.to_hf_state_dict().items()}, strict=True)
-    out = {}
-    with torch.no_grad():
-        for r in reqs:
-            seq = r.prompt + r.generated
-            out[r.id] = hf(input_ids=torch.tensor([seq[:-1]], device=DEV)).logits[0, len(r.prompt) - 1:].double().cpu()
-    return out
-
-
 @pytest.mark.parametrize("max_batch_tokens", [128, 16])
 def test_matches_transformers_fp32_model_fp16_attention(max_batch_tokens):
     """Greedy tokens equal to transformers' at every step; logits within 3e-3 (abs) of float32 transformers. The
@@ -56,7 +43,7 @@ def test_matches_transformers_fp32_model_fp16_attention(max_batch_tokens):
     eng, reqs = _engine(weights, torch.float32, max_batch_tokens=max_batch_tokens)
     assert eng.stats.mixed_steps > 0 and eng.stats.decode_steps > 0
     assert eng.alloc.reuses > 0 and eng.alloc.num_used == 0     # pages were reused; none leaked
-    ref = _hf_logits(weights, reqs)
+    ref = transformers_logits(CONFIG, weights, reqs, DEV)
     for r in reqs:
         assert len(r.generated) == r.max_new_tokens
         ours = torch.stack(eng.logits[r.id]).double()
@@ -73,7 +60,7 @@ def test_bf16_model_close_to_transformers():
     transformers on the same tokens."""
     weights = LlamaWeights.random(CONFIG, dtype=torch.bfloat16, device=DEV, seed=12)
     eng, reqs = _engine(weights, torch.bfloat16)
-    ref = _hf_logits(weights, reqs)
+    ref = transformers_logits(CONFIG, weights, reqs, DEV)
     agree = total = 0
     for r in reqs:
         ours = torch.stack(eng.logits[r.id]).double()

@@ -10,6 +10,7 @@ a whole run() (all its launches). Every input is random; KV caches are larger th
 
     python benchmarks/bench.py [--only decode|prefill] [--no-flashinfer] [--json OUT.json]
     python benchmarks/bench.py --sweep      # prefill tile variants (tuning aid; compiles each variant)
+    python benchmarks/bench.py --order-sweep   # prefill work orders: request-grouped vs longest-first
 """
 
 from __future__ import annotations
@@ -284,6 +285,38 @@ def sweep_grid(rows) -> list[dict]:
     return out
 
 
+def _lpt_order(work):
+    """The work list in pure longest-first order over the whole batch (the order before request grouping)."""
+    def cost(rec):
+        i, qt, kb, ke, *_rest = rec
+        q, k = rec[9], rec[10]
+        g = H_Q // H_KV
+        rows = min(work.tile.cta_q, q * g - qt * work.tile.cta_q)
+        end = min(ke, k - q + (qt * work.tile.cta_q + rows - 1) // g + 1)
+        return rows * max(1, end - kb)
+    work.records.sort(key=cost, reverse=True)
+    return work
+
+
+def sweep_order(rows) -> list[dict]:
+    """Prefill with the work list in request-grouped order (the scheduler's) against pure longest-first."""
+    from attnjit.ops import attention
+
+    original = attention.plan_work
+    out = []
+    try:
+        for name, fn in (("request_grouped", original),
+                         ("global_lpt", lambda **kw: _lpt_order(original(**kw)))):
+            attention.plan_work = fn
+            res: list[dict] = []
+            bench_prefill(None, rows, res, sdpa=False)
+            out.append({"order": name, **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res}})
+            print(json.dumps(out[-1]), flush=True)
+    finally:
+        attention.plan_work = original
+    return out
+
+
 def table(results) -> str:
     lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling | other |", "|---|---|---|---|---|---|---|"]
     for r in results:
@@ -309,7 +342,13 @@ def main() -> int:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
+    ap.add_argument("--order-sweep", action="store_true", help="time prefill work orders (sweep_order)")
     args = ap.parse_args()
+    if args.order_sweep:
+        rows = sweep_order(PREFILL_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.grid_sweep:
         rows = sweep_grid(PREFILL_ROWS)
         if args.json:

@@ -10,7 +10,9 @@
 #      run (ATTNJIT_JIT=0) from a cache warmed with specs/llama-example.toml on a machine without a GPU
 #   5. the model benchmark (benchmarks/model.py): tokens/s with attnjit and with FlashInfer at the same call sites
 #
-#   bash scripts/gpu_check.sh [all|tests|bench|model|sweep] [pytest args...]   (sweep: prefill tile variants too)
+#   bash scripts/gpu_check.sh [STAGES] [pytest args...]
+#   STAGES: all (= tests,model,bench) or a comma-separated list of tests, model, bench, sweep (tile variants),
+#   order (prefill work orders); default all
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -27,7 +29,8 @@ fi
 for c in device-cache llama-cache; do
   if [ -f ".carry/$c.tar.xz" ] && [ ! -d ".$c" ]; then mkdir -p ".$c" && tar xJf ".carry/$c.tar.xz" -C ".$c"; fi
 done
-sweep=0; if [ "$what" = sweep ]; then sweep=1; what=all; fi
+[ "$what" = all ] && what=tests,model,bench
+has() { [[ ",$what," == *",$1,"* ]]; }
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ATTNJIT_CACHE_DIR=${ATTNJIT_CACHE_DIR:-$PWD/.device-cache}
@@ -57,7 +60,7 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
   fi_files_before=$(find /tmp/fiws -type f | wc -l)
 }
 
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if has tests; then
   t=$(date +%s)
   python3 -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/junit.xml" -ra "$@" >"$OUT/pytest.txt" 2>&1
   rc=$?
@@ -65,13 +68,14 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
 
-if [ "$sweep" = 1 ]; then
-  t=$(date +%s)
-  python3 benchmarks/bench.py --sweep --json "$OUT/sweep.json" >"$OUT/sweep.txt" 2>"$OUT/sweep.err"
-  summary+=("sweep (rc=$?, $(( $(date +%s) - t )) s)")
-fi
+for s in sweep order; do
+  has $s || continue
+  t=$(date +%s); flag=--sweep; [ $s = order ] && flag=--order-sweep
+  python3 benchmarks/bench.py $flag --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
+  summary+=("$s (rc=$?, $(( $(date +%s) - t )) s)")
+done
 
-if [ "$what" = all ] || [ "$what" = model ]; then
+if has model; then
   t=$(date +%s)
   # the record-to-catalog loop: record a run, turn the record into a catalog, compare it with the committed one,
   # then run again in strict mode from .llama-cache (warmed from specs/llama-example.toml without a GPU)
@@ -93,7 +97,7 @@ if [ "$what" = all ] || [ "$what" = model ]; then
   summary+=("  example vs transformers (rc=$?): $(tail -1 "$OUT/llama-hf.txt" | cut -c1-160)")
 fi
 
-if [ "$what" = all ] || [ "$what" = bench ]; then
+if has bench; then
   setup_flashinfer
   t=$(date +%s)
   python3 benchmarks/bench.py $fi_flag --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
@@ -103,7 +107,7 @@ if [ "$what" = all ] || [ "$what" = bench ]; then
   tail -5 "$OUT/bench.err"
 fi
 
-if [ "$what" = all ] || [ "$what" = model ]; then
+if has model; then
   setup_flashinfer
   t=$(date +%s)
   python3 benchmarks/model.py $([ -n "$fi_flag" ] && echo --backends attnjit) --json "$OUT/model.json" \
@@ -118,7 +122,7 @@ fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
-[ -f "$OUT/sweep.txt" ] && cat "$OUT/sweep.txt"
+for s in sweep order; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 [ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
 # the device tool brings back only a few files: everything else travels as one archive

@@ -123,7 +123,8 @@ def check_work(work, *, qo_lens, kv_lens, group, tile, causal, max_slots, fixed=
     assert all(a[1] <= b[0] for a, b in zip(taken, taken[1:])), "two requests share partial slots"
     assert work.num_slots == sum(b - a for a, b in taken) <= max_slots
     assert work.split_requests == len(spans)
-    # longest first: the cost (packed rows x visible kv tokens) never increases along the list
+    # order: each request's items form one run (they share its K/V in L2), runs ordered by their costliest item,
+    # items within a run longest first; cost = packed rows x visible kv tokens
     costs = []
     for it in items:
         q, k = qo_lens[it["req"]], kv_lens[it["req"]]
@@ -131,7 +132,17 @@ def check_work(work, *, qo_lens, kv_lens, group, tile, causal, max_slots, fixed=
         last_token = (it["qtile"] * tile.cta_q + rows - 1) // group
         end = k - q + last_token + 1 if causal else k
         costs.append(rows * max(1, max(0, min(it["kv_end"], end) - it["kv_begin"])))
-    assert costs == sorted(costs, reverse=True), "work items are not ordered by cost, longest first"
+    runs: list[tuple[int, list[int]]] = []
+    for it, c in zip(items, costs):
+        if runs and runs[-1][0] == it["req"]:
+            runs[-1][1].append(c)
+        else:
+            runs.append((it["req"], [c]))
+    assert len(runs) == len({r for r, _ in runs}), "a request's work items are not contiguous"
+    for r, cs in runs:
+        assert cs == sorted(cs, reverse=True), f"request {r}'s work items are not ordered longest first"
+    heads = [cs[0] for _r, cs in runs]
+    assert heads == sorted(heads, reverse=True), "requests are not ordered by their costliest item"
     return items
 
 
@@ -541,3 +552,19 @@ def test_loaded_module_is_one_lookup_and_no_gpu_is_still_reported():
     if not torch.cuda.is_available():
         with pytest.raises(NoGPUError, match="no CUDA device is available"):
             dispatch.module(spec, "cuda:0")
+
+
+def test_work_order_keeps_a_requests_q_tiles_together():
+    """Causal prefill of 64 and 256 tokens (group 4, 128-row q tiles): the longer request's 8 q tiles come first,
+    last tile first, then the shorter one's 2; a global longest-first order would interleave the two requests and
+    make each wave of CTAs re-read both requests' K/V."""
+    from attnjit.generator import tiles_for
+    from attnjit.ops.scheduler import plan_work
+    from attnjit.specs import AttentionSpec
+
+    spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", group_size=4, mask="causal")
+    wide = tiles_for(spec)[-1]
+    assert wide.cta_q == 128
+    work = plan_work(qo_lens=[64, 256], kv_lens=[64, 256], qo_offsets=[0, 64], kv_bases=[0, 4], group=4,
+                     tile=wide, causal=True, num_kv_heads=8, slots=16, max_slots=0, allow_split=False)
+    assert [(r[0], r[1]) for r in work.records] == [(1, t) for t in range(7, -1, -1)] + [(0, 1), (0, 0)]

@@ -5,8 +5,13 @@ A work item is (request, q tile of CTA_Q packed rows, KV range). Without splitti
 (``items * H_kv < slots``, slots = SMs x resident CTAs per SM), long histories are cut into equal chunks, the
 smallest chunk (a multiple of the KV tile, at least ``MIN_CHUNK`` tokens) for which the items still fit in one
 wave of slots. Each chunk of a split request writes an fp32 partial state per (token, head) to a workspace slot;
-the last CTA of each split group (request, q tile, KV head) merges them. Items are ordered longest first, so the hardware scheduler starts the heavy ones
-first (LPT).
+the last CTA of each split group (request, q tile, KV head) merges them.
+
+Order: requests heaviest first (by their costliest item), and within a request its items longest first. Pure
+longest-first (LPT) over the whole batch would start the last q tile of every request together, so each wave of
+CTAs would read every request's K/V once more: with a batch's K/V larger than L2 (32 x 512 tokens at H_kv 8,
+head_dim 128 is 67 MB) that re-reads it from DRAM wave after wave. Keeping a request's q tiles together lets them
+share its K/V in L2, and the tail of the list is still the cheapest items.
 """
 
 from __future__ import annotations
@@ -101,7 +106,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         plan.records = [(i, 0, 0, kv_lens[i], -1, 0, 1, -1, qo_offsets[i], qo_lens[i], kv_lens[i], kv_bases[i])
                         for i in order]
         return plan
-    items = []  # (-cost, order, record)
+    items = []  # (request rank, -cost, order, record); the rank is filled in below
     next_slot = 0
     for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
         if not t:
@@ -112,7 +117,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
             for qt in range(t):
                 rows = min(cta_q, q * group - qt * cta_q)
                 visited = (k - q + (qt * cta_q + rows - 1) // group + 1) if causal else k
-                items.append((-(rows * max(visited, 1)), len(items), (i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base)))
+                items.append([0, -(rows * max(visited, 1)), len(items), (i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base)])
             continue
         base = next_slot
         next_slot += n_chunks * q
@@ -127,13 +132,20 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
                 kb = c * chunk
                 ke = min(k, kb + chunk)
                 visited = max(0, min(ke, causal_end) - kb)
-                items.append((-(rows * max(visited, 1)), len(items),
-                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_off, q, k, kv_base)))
+                items.append([0, -(rows * max(visited, 1)), len(items),
+                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_off, q, k, kv_base)])
     if next_slot > max_slots:
         raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
                          f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")
+    heaviest: dict[int, int] = {}  # request -> -(its costliest item)
+    for it in items:
+        r = it[3][0]
+        heaviest[r] = min(heaviest.get(r, 0), it[1])
+    rank = {r: n for n, r in enumerate(sorted(heaviest, key=lambda r: (heaviest[r], r)))}
+    for it in items:
+        it[0] = rank[it[3][0]]
     items.sort()
-    plan.records = [rec for _cost, _order, rec in items]
+    plan.records = [rec for _rank, _cost, _order, rec in items]
     plan.chunk = chunk if plan.split_requests else None
     plan.num_slots = next_slot
     return plan

@@ -12,7 +12,7 @@
 #
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
 #   STAGES: all (= tests,model,bench) or a comma-separated list of tests, model, bench, sweep (tile variants),
-#   order (prefill work orders); default all
+#   order (prefill work orders), profile (Nsight Compute, short prefill rows); default all
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -107,6 +107,28 @@ if has bench; then
   tail -5 "$OUT/bench.err"
 fi
 
+if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side
+  setup_flashinfer
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do
+    for who in attnjit flashinfer; do
+      k=attnjit_attention; [ $who = flashinfer ] && k=Prefill
+      "$ncu" --clock-control none -k regex:$k --launch-skip 2 --launch-count 1 --set full --import-source yes \
+        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_prefill.py $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
+      "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
+      "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page source --csv --print-source sass >"/tmp/src-$who-$shape.csv" 2>&1
+      python3 benchmarks/ncu_source.py "/tmp/src-$who-$shape.csv" 30 >"$OUT/stalls-$who-$shape.txt" 2>&1
+      cp "/tmp/src-$who-$shape.csv" "$OUT/"
+    done
+  done
+  for f in "$OUT"/ncu-attnjit-*.txt "$OUT"/ncu-flashinfer-*.txt; do
+    echo "== $(basename "$f")"
+    grep -E "^  [A-Za-z].*\(|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Compute \(SM\) Th|Memory Throughput|L2 Hit|L1/TEX Hit|Dynamic Shared|Executed Ipc A|Issue Slots Busy|No Eligible|Warp Cycles Per Issued|DRAM Throughput|Grid Size|Waves Per SM" "$f" | head -40
+  done >"$OUT/ncu-summary.txt"
+  summary+=("profile: $(grep -c Duration "$OUT/ncu-summary.txt") kernels")
+  cat "$OUT"/stalls-*.txt >>"$OUT/ncu-summary.txt"
+fi
+
 if has model; then
   setup_flashinfer
   t=$(date +%s)
@@ -122,7 +144,7 @@ fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
-for s in sweep order; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
+for s in sweep order ncu-summary; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 [ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
 # the device tool brings back only a few files: everything else travels as one archive

@@ -300,7 +300,8 @@ class _AttentionWrapper:
         fixed.update({variant_param_name(n): 0 for n in binding.required})  # filled by each run()
         plan.attn_values = plan.layout.values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
-            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"], work_count=ptr["work_count"],
+            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"],
+            work_count=ptr["work_count"] if self._use_cuda_graph else 0,  # 0: the grid is the work list
             merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
             kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
             sm_scale_log2=sm_scale * _LOG2E, **fixed)

@@ -98,7 +98,7 @@ template <typename Tr>
 struct WarpState {
   float o[Tr::NUM_MMA_Q][Tr::HEAD_DIM / 8][4];  // unnormalized output, mma C layout
   float m[Tr::NUM_MMA_Q][2];                    // running max of s*scale2 (log2 units)
-  float d[Tr::NUM_MMA_Q][2];                    // running sum of 2^(s*scale2 - m), this thread's columns only
+  float d[Tr::NUM_MMA_Q][2];                    // running sum of 2^(s*scale2 - m) over the row (every lane of a quad)
 
   __device__ __forceinline__ void init() {
 #pragma unroll
@@ -366,13 +366,19 @@ struct AttentionCTA {
     const bool need_mask = V::HAS_LOGITS_MASK || kv0 + Tr::CTA_KV > kv_stop ||
                            (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > diag + first_token);
     if (need_mask) {
+      // rows mq * 16 + 8 * r of this lane: with GROUP dividing 8 their tokens are this lane's first token plus
+      // (mq * 16 + 8 * r) / GROUP, so one register serves them all (four per-row values spilled at 255 registers)
+      const int pr0 = packed_row0 + warp_q * Tr::WARP_ROWS + lane / 4;
+      int tok0 = pr0 / Tr::GROUP;
+      asm volatile("" : "+r"(tok0));  // opaque here: keeps nvcc from hoisting the per-row limits (and spilling them)
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          const int pr = pr0 + mq * 16 + 8 * r;
+          const int tok = 8 % Tr::GROUP == 0 ? tok0 + (mq * 16 + 8 * r) / Tr::GROUP : pr / Tr::GROUP;
           int last = kv_stop - 1;  // the last visible column, relative to col0
-          if constexpr (Tr::CAUSAL) last = min(last, diag + pr / Tr::GROUP);
+          if constexpr (Tr::CAUSAL) last = min(last, diag + tok);
           last -= col0;
 #pragma unroll
           for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
@@ -411,25 +417,22 @@ struct AttentionCTA {
     for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = st.m[mq][r];
+        // the max of the raw logits, scaled once (scale2 > 0: plan() checks sm_scale, a transform uses log2 e)
+        float raw = neg_inf();
 #pragma unroll
-        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
-          mx = fmaxf(mx, fmaxf(s[mq][nt][2 * r], s[mq][nt][2 * r + 1]) * scale2);
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt) raw = fmaxf(raw, fmaxf(s[mq][nt][2 * r], s[mq][nt][2 * r + 1]));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
+        const float mx = fmaxf(st.m[mq][r], raw * scale2);
         const float m_safe = mx == neg_inf() ? 0.f : mx;
         alpha[mq][r] = fast_exp2(st.m[mq][r] - m_safe);
         moved |= mx != st.m[mq][r];
         st.m[mq][r] = mx;
-        float sum = 0.f;
 #pragma unroll
         for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
 #pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) {
-            s[mq][nt][e] = fast_exp2(fmaf(s[mq][nt][e], scale2, -m_safe));
-            sum += s[mq][nt][e];
-          }
-        st.d[mq][r] = st.d[mq][r] * alpha[mq][r] + sum;
+          for (int e = 2 * r; e < 2 * r + 2; ++e) s[mq][nt][e] = fast_exp2(fmaf(s[mq][nt][e], scale2, -m_safe));
+        st.d[mq][r] *= alpha[mq][r];  // pv() adds this tile's row sums
       }
     if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
@@ -448,6 +451,12 @@ struct AttentionCTA {
   __device__ __forceinline__ void pv(const float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], int stage,
                                      WarpState<Tr>& st) const {
     const uint32_t vs = smem_u32(v_smem(stage));
+    // softmax row sums of this tile on the tensor cores (P x ones), from the same rounded P that multiplies V:
+    // one mma per 16x16 block instead of an add per element, and every lane of a quad gets its rows' sums
+    float rs[Tr::NUM_MMA_Q][4];
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) rs[mq][0] = rs[mq][1] = rs[mq][2] = rs[mq][3] = 0.f;
+    const uint32_t ones[2] = {ones2<T>(), ones2<T>()};
 #pragma unroll
     for (int kk = 0; kk < Tr::NUM_MMA_KV; ++kk) {
       uint32_t a[Tr::NUM_MMA_Q][4];
@@ -457,6 +466,7 @@ struct AttentionCTA {
         a[mq][1] = pack2<T>(s[mq][2 * kk][2], s[mq][2 * kk][3]);
         a[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
         a[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
+        if constexpr (V::USE_SOFTMAX) mma_16816<T>(rs[mq], a[mq], ones);
       }
       const uint32_t v_addr = vs + v_row_off + kk * 16 * Tr::ROW_BYTES;
 #pragma unroll
@@ -468,6 +478,13 @@ struct AttentionCTA {
           mma_16816<T>(st.o[mq][2 * dt2], a[mq], b);
           mma_16816<T>(st.o[mq][2 * dt2 + 1], a[mq], b + 2);
         }
+      }
+    }
+    if constexpr (V::USE_SOFTMAX) {
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+        st.d[mq][0] += rs[mq][0];
+        st.d[mq][1] += rs[mq][2];
       }
     }
   }
@@ -502,7 +519,7 @@ struct AttentionCTA {
   __device__ __forceinline__ void state_scale(const WarpState<Tr>& st, int mq, int r, float& inv, float& lse) const {
     if constexpr (V::USE_SOFTMAX) {
       const float dd = st.d[mq][r];
-      inv = dd > 0.f ? 1.f / dd : 0.f;
+      inv = dd > 0.f ? fast_rcp(dd) : 0.f;
       lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
     } else {
       inv = 1.f;
@@ -511,56 +528,68 @@ struct AttentionCTA {
   }
 
   __device__ __forceinline__ void finish(WarpState<Tr>& st) {
-#pragma unroll
-    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        st.d[mq][r] += __shfl_xor_sync(0xffffffffu, st.d[mq][r], 1);
-        st.d[mq][r] += __shfl_xor_sync(0xffffffffu, st.d[mq][r], 2);
-      }
     if constexpr (Tr::NUM_WARPS_KV == 1) {
-      // normalize in registers; a partial goes straight to the workspace, an output is staged through this
-      // warp's rows of the (now free) Q tile so that it leaves in coalesced 16-byte stores
-      uint8_t* stage = q_smem();
+      // normalize in registers. An output (the common case) is staged through this warp's rows of the (now free)
+      // Q tile so that it leaves in coalesced 16-byte stores; a split item's partial state goes straight to the
+      // workspace. The two are separate code paths: interleaved, every CTA fetched both (instruction-cache misses
+      // were a tenth of a short prefill's warp time)
+      if (pslot < 0) {
+        uint8_t* stage = q_smem();
 #pragma unroll
-      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
-          const int pr = packed_row0 + row;
-          float inv, lse;
-          state_scale(st, mq, r, inv, lse);
+          for (int r = 0; r < 2; ++r) {
+            const int row = warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+            const int pr = packed_row0 + row;
+            float inv, lse;
+            state_scale(st, mq, r, inv, lse);
+            uint8_t* row_stage = stage + row * Tr::ROW_BYTES + 4 * (lane % 4);
 #pragma unroll
-          for (int dt = 0; dt < D / 8; ++dt) {
-            float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
-            const int col = dt * 8 + 2 * (lane % 4);
-            if (pslot >= 0) {
-              if (pr < rows_total) write_partial2(pr, col, x0, x1, lse, dt == 0 && lane % 4 == 0);
-            } else {
+            for (int dt = 0; dt < D / 8; ++dt) {
+              float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
               if constexpr (V::HAS_OUTPUT_TRANSFORM) {
+                const int col = dt * 8 + 2 * (lane % 4);
                 if (pr < rows_total) {
                   x0 = var.output_transform(x0, col, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
                   x1 = var.output_transform(x1, col + 1, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
                 }
               }
-              *reinterpret_cast<uint32_t*>(stage + swizzle<CHUNKS>(row, dt) + 4 * (lane % 4)) = pack2<TO>(x0, x1);
+              *reinterpret_cast<uint32_t*>(row_stage + ((dt ^ (row & 7)) << 4)) = pack2<TO>(x0, x1);
             }
+            if (lane % 4 == 0 && pr < rows_total) write_lse(pr, lse);
           }
-          if (pslot < 0 && lane % 4 == 0 && pr < rows_total) write_lse(pr, lse);
-        }
-      if (pslot < 0) {
         __syncwarp();
-        constexpr int PER_WARP = Tr::WARP_ROWS * CHUNKS;
+        // lane l stores chunk l % CHUNKS of rows l / CHUNKS + k * (32 / CHUNKS): one 64-bit row address per k
+        static_assert(32 % CHUNKS == 0, "a warp stores whole rows per step");
+        constexpr int ROWS_PER_STEP = 32 / CHUNKS;
+        const int c = lane % CHUNKS;
+        TO* out = reinterpret_cast<TO*>(p.o);
 #pragma unroll
-        for (int i = lane; i < PER_WARP; i += 32) {
-          const int row = warp_q * Tr::WARP_ROWS + i / CHUNKS, c = i % CHUNKS;
+        for (int k = 0; k < Tr::WARP_ROWS / ROWS_PER_STEP; ++k) {
+          const int row = warp_q * Tr::WARP_ROWS + k * ROWS_PER_STEP + lane / CHUNKS;
           const int pr = packed_row0 + row;
           if (pr < rows_total) {
             const uint4 v = *reinterpret_cast<const uint4*>(stage + swizzle<CHUNKS>(row, c));
-            *reinterpret_cast<uint4*>(reinterpret_cast<TO*>(p.o) + (q_begin + pr / Tr::GROUP) * p.o_stride_n +
-                                      out_head(pr) * p.o_stride_h + c * 8) = v;
+            *reinterpret_cast<uint4*>(out + (q_begin + pr / Tr::GROUP) * p.o_stride_n + out_head(pr) * p.o_stride_h +
+                                      c * 8) = v;
           }
         }
+      } else {
+#pragma unroll
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+            if (pr >= rows_total) continue;
+            float inv, lse;
+            state_scale(st, mq, r, inv, lse);
+            const int64_t prow = (static_cast<int64_t>(pslot) + pr / Tr::GROUP) * p.num_qo_heads + out_head(pr);
+            float* dst = reinterpret_cast<float*>(p.tmp_o) + prow * D + 2 * (lane % 4);
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt)
+              *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv);
+            if (lane % 4 == 0) reinterpret_cast<float*>(p.tmp_lse)[prow] = lse;
+          }
       }
     } else {
       // each warp holds a disjoint kv slice of the same rows: publish normalized states, then merge
@@ -771,7 +800,10 @@ __device__ __forceinline__ void attention_body(const P& p) {
   extern __shared__ __align__(128) uint8_t smem[];
   AttentionCTA<Tr, P> cta(p, smem);
   const int heads = static_cast<int>(p.num_kv_heads);
-  const int total = *reinterpret_cast<const int32_t*>(p.work_count) * heads;  // device-side: graphs replay any plan
+  // a CUDA-graph wrapper's fixed grid walks the item count in device memory (graphs replay any plan); otherwise
+  // the grid is exactly items x heads and work_count is 0, which spares every CTA one dependent global load
+  // ahead of its work record
+  const int total = p.work_count ? *reinterpret_cast<const int32_t*>(p.work_count) * heads : static_cast<int>(gridDim.x);
   const float scale2 = static_cast<float>(p.sm_scale_log2);
   for (int i = blockIdx.x; i < total; i += gridDim.x) {
     cta.run_item(i / heads, i % heads, scale2);

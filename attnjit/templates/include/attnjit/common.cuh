@@ -70,6 +70,18 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; exact 0 for -inf
   return y;
 }
 
+__device__ __forceinline__ float fast_rcp(float x) {  // 1/x to about 1 ulp (no IEEE slow path)
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The B operand of an m16n8k16 mma whose 16x8 tile is all ones: A x ones puts each row's sum in every column.
+template <typename T>
+__device__ __forceinline__ uint32_t ones2() {
+  return is_bf16<T>::value ? 0x3f803f80u : 0x3c003c00u;
+}
+
 __device__ __forceinline__ float fast_log2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -78,12 +78,16 @@ struct AttentionTraits {
   // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
   static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
   static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
-  static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / CHUNKS;  // kv rows one pass of cp.async covers
+  // tile loads (Q, K, V): 8 threads per row, thread t copies chunks t % 8 + 8 j (j < CHUNKS / 8) of one row, so
+  // 8 neighbouring threads write 8 different bank groups, and one address serves a row's CHUNKS / 8 copies
+  static constexpr int LOAD_CPT = CHUNKS / 8;                     // 16-byte copies per thread per row
+  static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / 8;        // rows one pass of the CTA's threads covers
   static constexpr int KV_PASSES = CTA_KV / KV_ROWS_PER_PASS;
   static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
 
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "head_dim must be a multiple of 16, at least 64");
-  static_assert(NUM_THREADS % CHUNKS == 0, "a cp.async pass must cover whole rows");
+  static_assert(NUM_THREADS % 8 == 0 && CHUNKS % 8 == 0, "a cp.async pass must cover whole rows");
+  static_assert(CTA_Q % KV_ROWS_PER_PASS == 0 || KV_ROWS_PER_PASS % CTA_Q == 0, "q rows and load passes must nest");
   static_assert(CTA_KV % KV_ROWS_PER_PASS == 0, "the kv tile must be a whole number of cp.async passes");
   static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
   static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
@@ -199,22 +203,35 @@ struct AttentionCTA {
 
   __device__ __forceinline__ void load_q() {
     const T* q = reinterpret_cast<const T*>(p.q);
-    constexpr int TOTAL = Tr::CTA_Q * CHUNKS;
+    constexpr int RPP = Tr::KV_ROWS_PER_PASS;  // rows one pass of the CTA's threads covers
+    const int c0 = threadIdx.x % 8, r0 = threadIdx.x / 8;
+    const uint32_t base = smem_u32(q_smem());
+    if constexpr (RPP % Tr::GROUP == 0 && Tr::CTA_Q % RPP == 0 && Tr::CTA_Q % Tr::GROUP == 0) {
+      // rows r0 + k * RPP of one thread share a query head and advance by RPP / GROUP tokens: one 64-bit add each
+      const int pr0 = packed_row0 + r0;
+      const T* src0 = q + (q_begin + pr0 / Tr::GROUP) * p.q_stride_n +
+                      (static_cast<int64_t>(kv_head) * Tr::GROUP + pr0 % Tr::GROUP) * p.q_stride_h + c0 * 8;
+      const int64_t step = (RPP / Tr::GROUP) * p.q_stride_n;
 #pragma unroll
-    for (int i = threadIdx.x; i < TOTAL; i += Tr::NUM_THREADS) {
-      const int r = i / CHUNKS, c = i % CHUNKS;
-      const int pr = packed_row0 + r;
-      const bool valid = pr < rows_total;
-      const int64_t tok = q_begin + pr / Tr::GROUP;
-      const int64_t h = static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
-      const T* src = valid ? q + tok * p.q_stride_n + h * p.q_stride_h + c * 8 : q;
-      cp_async_16(smem_u32(q_smem()) + swizzle<CHUNKS>(r, c), src, valid);
+      for (int k = 0; k < Tr::CTA_Q / RPP; ++k) {
+        const bool valid = pr0 + k * RPP < rows_total;
+        const T* src = valid ? src0 + k * step : q;
+        const uint32_t dst = base + swizzle<CHUNKS>(r0 + k * RPP, c0);
+#pragma unroll
+        for (int j = 0; j < Tr::LOAD_CPT; ++j) cp_async_16(dst + j * 128, src + j * 64, valid);
+      }
+    } else {
+      for (int r = r0; r < Tr::CTA_Q; r += RPP) {
+        const int pr = packed_row0 + r;
+        const bool valid = pr < rows_total;
+        const int64_t tok = q_begin + pr / Tr::GROUP;
+        const int64_t h = static_cast<int64_t>(kv_head) * Tr::GROUP + pr % Tr::GROUP;
+        const T* src = valid ? q + tok * p.q_stride_n + h * p.q_stride_h + c0 * 8 : q;
+        const uint32_t dst = base + swizzle<CHUNKS>(r, c0);
+#pragma unroll
+        for (int j = 0; j < Tr::LOAD_CPT; ++j) cp_async_16(dst + j * 128, src + j * 64, valid);
+      }
     }
-  }
-
-  // The kv rows this thread copies in every tile: r = threadIdx.x / CHUNKS + pass * KV_ROWS_PER_PASS.
-  __device__ __forceinline__ int kv_row(int pass) const {
-    return static_cast<int>(threadIdx.x) / CHUNKS + pass * Tr::KV_ROWS_PER_PASS;
   }
 
   // Stage the page ids of tile `tile` into its ring slot (cp.async, joins the caller's commit group).
@@ -233,36 +250,53 @@ struct AttentionCTA {
   }
 
   // Copy K and V rows of tile `tile` into pipeline stage `stage` (its page ids must be resident).
+  // Thread t copies chunks t % 8 + 8 j of rows r0 + s * KV_ROWS_PER_PASS (r0 = t / 8), pass s < KV_PASSES.
+  // Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
   __device__ __forceinline__ void issue_kv(int tile, int stage) const {
+    constexpr int RPP = Tr::KV_ROWS_PER_PASS;
     const T* k = reinterpret_cast<const T*>(p.k);
     const T* v = reinterpret_cast<const T*>(p.v);
     const int kv0 = kv_begin + tile * Tr::CTA_KV;
-    const int c = threadIdx.x % CHUNKS;
-    const int r0 = static_cast<int>(threadIdx.x) / CHUNKS;
-    const uint32_t dst0 = r0 * Tr::ROW_BYTES + ((c ^ (r0 & 7)) << 4);
+    const int c0 = threadIdx.x % 8;
+    const int r0 = static_cast<int>(threadIdx.x) / 8;
+    const uint32_t dst0 = r0 * Tr::ROW_BYTES + ((c0 ^ (r0 & 7)) << 4);  // rows r0 + s * RPP: same r & 7
     const uint32_t ks = smem_u32(k_smem(stage)), vs = smem_u32(v_smem(stage));
     const int32_t* pages = page_smem() + (tile % Tr::PAGE_RING) * Tr::PAGES_PER_TILE;
+    // paged, a pass within one page: pass s reads page id (s * RPP) / PAGE_SIZE of the tile (a constant index)
+    // at slot slot0 + r0 + (s * RPP) % PAGE_SIZE. Invalid rows keep an in-bounds address: their page id was
+    // zero-filled when staged, or is the tile's own page.
+    constexpr bool PASS_IN_PAGE = Tr::PAGED && RPP <= Tr::PAGE_SIZE && (RPP & (RPP - 1)) == 0;
+    int64_t thread_off = 0, slot_stride = 0;
+    if constexpr (PASS_IN_PAGE) {
+      slot_stride = Tr::HND ? D : p.kv_stride_1;
+      const int64_t head_stride = Tr::HND ? p.kv_stride_1 : D;
+      const int slot0 = Tr::PAGE_SIZE > Tr::CTA_KV ? (kv0 & (Tr::PAGE_SIZE - 1)) : 0;
+      thread_off = (slot0 + r0) * slot_stride + kv_head * head_stride + c0 * 8;
+    } else if constexpr (!Tr::PAGED) {
+      thread_off = (kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(kv_head) * p.kv_stride_1 + c0 * 8;
+    }
 #pragma unroll
     for (int s = 0; s < Tr::KV_PASSES; ++s) {
-      const int r = r0 + s * Tr::KV_ROWS_PER_PASS;
-      const int j = kv0 + r;
-      const bool valid = j < kv_stop;
+      const int r = r0 + s * RPP;
+      const bool valid = kv0 + r < kv_stop;
       int64_t off;
-      if constexpr (Tr::PAGED) {
+      if constexpr (PASS_IN_PAGE) {
+        const int page = pages[(s * RPP) >> Tr::PAGE_SHIFT];
+        off = page * p.kv_stride_0 + thread_off + ((s * RPP) & (Tr::PAGE_SIZE - 1)) * slot_stride;
+      } else if constexpr (Tr::PAGED) {
+        const int j = kv0 + r;
         const int page = pages[(j >> Tr::PAGE_SHIFT) - (kv0 >> Tr::PAGE_SHIFT)];
         off = paged_offset<Tr::HND, D>(page, j & (Tr::PAGE_SIZE - 1), kv_head, p.kv_stride_0, p.kv_stride_1);
+        off = valid ? off + c0 * 8 : 0;
       } else {
-        off = (kv_base + j) * p.kv_stride_0 + static_cast<int64_t>(kv_head) * p.kv_stride_1;
+        off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
       }
-      off = valid ? off + c * 8 : 0;
-      uint32_t dst;
-      if constexpr (Tr::KV_ROWS_PER_PASS % 8 == 0) {
-        dst = dst0 + s * Tr::KV_ROWS_PER_PASS * Tr::ROW_BYTES;
-      } else {
-        dst = swizzle<CHUNKS>(r, c);
+      const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * Tr::ROW_BYTES : swizzle<CHUNKS>(r, c0);
+#pragma unroll
+      for (int j = 0; j < Tr::LOAD_CPT; ++j) {
+        cp_async_16(ks + dst + j * 128, k + off + j * 64, valid);
+        cp_async_16(vs + dst + j * 128, v + off + j * 64, valid);
       }
-      cp_async_16(ks + dst, k + off, valid);
-      cp_async_16(vs + dst, v + off, valid);
     }
   }
 

@@ -71,6 +71,10 @@ PAGED = [
     replace(_P, name="paged-p1", page_size=1),
     replace(_P, name="paged-p8-fp16", page_size=8, dtype=F16),
     replace(_P, name="paged-p32-noncausal", page_size=32, causal=False),
+    # pages larger than the KV tile (64 tokens; 32 at head_dim 256): a tile starts mid-page, and forced splits
+    # start chunks mid-page too
+    replace(_P, name="paged-p128-split-forced", page_size=128, split="force"),
+    replace(_P, name="paged-d256-p64-hnd-fp16", head_dim=256, page_size=64, layout="HND", dtype=F16),
     replace(_P, name="paged-mha-g1", heads=(8, 8)),
     replace(_P, name="paged-g8", heads=(64, 8)),
     replace(_P, name="paged-g7-fp16", heads=(28, 4), dtype=F16),
@@ -109,6 +113,7 @@ DECODE = [
     replace(_D, name="decode-p1", page_size=1, kv_lens=DEC_MED),
     replace(_D, name="decode-p8-fp16", page_size=8, dtype=F16),
     replace(_D, name="decode-p32", page_size=32, kv_lens=DEC_MED),
+    replace(_D, name="decode-p128-split-forced", page_size=128, kv_lens=DEC_MED, split="force"),
     replace(_D, name="decode-mha-g1", heads=(8, 8), kv_lens=DEC_MED),
     replace(_D, name="decode-g8", heads=(64, 8), kv_lens=DEC_MED),
     replace(_D, name="decode-g7-fp16", heads=(28, 4), dtype=F16),

@@ -248,8 +248,10 @@ def _wide_tile(head_dim: int, page_size: int) -> Tile:
                 min_blocks=2 if head_dim == 64 else 1)
 
 
+@functools.lru_cache(maxsize=512)
 def tiles_for(spec: AttentionSpec) -> tuple[Tile, ...]:
-    """Kernel instances a spec's module holds, narrowest first. plan() picks one per batch."""
+    """Kernel instances a spec's module holds, narrowest first. plan() picks one per batch (memoized: plan() asks
+    every step)."""
     page_size = spec.page_size or 0
     if spec.op == "decode":
         narrow = _narrow_tile(spec.head_dim_qk, page_size, spec.group_size)

@@ -231,6 +231,7 @@ def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> 
             tile = generator.Tile(D, PS, *v)
             setattr(generator, factory, lambda *args, tile=tile: tile)
             generator.render.cache_clear()
+            generator.tiles_for.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []
             try:
@@ -244,6 +245,7 @@ def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> 
     finally:
         setattr(generator, factory, original)
         generator.render.cache_clear()
+        generator.tiles_for.cache_clear()
         dispatch.clear_memory()
     return out
 

@@ -282,3 +282,32 @@ def test_catalog_from_a_bad_log_names_the_line(tmp_path):
     assert line.startswith(f"attnjit: error: {log}:3: not a dispatch record")
     proc = run_cli("catalog", "from-log", tmp_path / "absent.jsonl")
     assert proc.returncode == 1 and "cannot read" in error_lines(proc.stderr)[0]
+
+
+def test_ncu_source_summary_splits_samples_by_region_and_execution_count(tmp_path):
+    """benchmarks/ncu_source.py (the profile stage's summary of `ncu --page source --csv`): on a small synthetic
+    listing, the loop is found from its backward branch, samples are split into prologue / loop / epilogue and by
+    execution count, and stall reasons are summed."""
+    import subprocess
+    import sys
+
+    rows = [
+        ("0x1000", "LDG.E R2, [R4.64]", 10, 4, 10, 0),          # prologue: run once per warp
+        ("0x1010", "HMMA.16816.F32 R8, R10, R12, R8", 60, 40, 0, 50),
+        ("0x1020", "@P0 BRA 0x1010", 20, 5, 0, 20),              # the loop's backward branch
+        ("0x1030", "STG.E [R4.64], R8", 10, 1, 10, 0),
+    ]
+    exec_counts = {"0x1000": 100, "0x1010": 800, "0x1020": 800, "0x1030": 100}
+    lines = ['"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
+             '"Instructions Executed","stall_long_sb","stall_wait"']
+    for addr, src, samples, not_issued, long_sb, wait in rows:
+        lines.append(f'"{addr}","{src}","{samples}","{not_issued}","{exec_counts[addr]}","{long_sb}","{wait}"')
+    csv_path = tmp_path / "src.csv"
+    csv_path.write_text("==PROF== preamble line\n" + "\n".join(lines) + "\n")
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ncu_source.py"), str(csv_path), "3"],
+                         capture_output=True, text=True, check=True).stdout
+    assert "loop 0x1010..0x1020; samples 100: prologue 10.0%" in out
+    assert "loop 80.0%" in out and "epilogue 10.0%" in out
+    assert "800x: 80.0% (2 instr)" in out and "100x: 20.0% (2 instr)" in out
+    assert "stall reasons: wait 77.8%, long_sb 22.2%" in out
+    assert out.splitlines()[-3].startswith("L 0x01010 60.00% notissued       40 exec        800  HMMA")

@@ -31,6 +31,11 @@ for c in device-cache llama-cache; do
 done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
+for s in ${what//,/ }; do
+  case $s in tests|model|bench|sweep|order|profile) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
+  esac
+done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export ATTNJIT_CACHE_DIR=${ATTNJIT_CACHE_DIR:-$PWD/.device-cache}

@@ -289,14 +289,9 @@ def sweep_grid(rows) -> list[dict]:
 
 def _lpt_order(work):
     """The work list in pure longest-first order over the whole batch (the order before request grouping)."""
-    def cost(rec):
-        i, qt, kb, ke, *_rest = rec
-        q, k = rec[9], rec[10]
-        g = H_Q // H_KV
-        rows = min(work.tile.cta_q, q * g - qt * work.tile.cta_q)
-        end = min(ke, k - q + (qt * work.tile.cta_q + rows - 1) // g + 1)
-        return rows * max(1, end - kb)
-    work.records.sort(key=cost, reverse=True)
+    from attnjit.ops.scheduler import item_cost
+
+    work.records.sort(key=lambda rec: -item_cost(rec, cta_q=work.tile.cta_q, group=H_Q // H_KV, causal=True))
     return work
 
 

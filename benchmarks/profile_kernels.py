@@ -1,9 +1,13 @@
-"""Launch one prefill (1x8192 causal) and one decode (1x32768 and 64x4096) run of the benchmark shapes, for ncu:
+"""One benchmark shape, attnjit then FlashInfer (when importable), 4 calls each: a target for Nsight Compute.
 
-    ncu --clock-control none -k regex:attnjit_attention --launch-skip 3 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats ... python3 benchmarks/profile_kernels.py prefill
-Each shape runs 4 times (3 warm-ups, then the profiled launch).
+    python3 benchmarks/profile_kernels.py prefill 32x512     # paged causal prefill, batch x length
+    python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
+    ncu --clock-control none -k regex:attnjit_attention --launch-skip 2 --launch-count 1 --set full \\
+        python3 benchmarks/profile_kernels.py prefill 32x512
+`bash scripts/gpu_check.sh profile` runs it under ncu for both libraries and summarizes the stalls.
 """
+
+from __future__ import annotations
 
 import sys
 from pathlib import Path
@@ -12,24 +16,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
-from benchmarks.bench import D, DT, H_KV, H_Q, PS, paged_tables  # noqa: E402
+from benchmarks.bench import DT, D, H_KV, H_Q, PS, load_flashinfer, paged_tables  # noqa: E402
 
-what = sys.argv[1] if len(sys.argv) > 1 else "prefill"
-ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-if what == "prefill":
-    batch, length = 1, 8192
-    indptr, indices, last, cache = paged_tables(batch, length)
-    qo = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
-    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
-    w.plan(qo, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
-else:
-    batch, length = (1, 32768) if what == "decode1" else (64, 4096)
-    indptr, indices, last, cache = paged_tables(batch, length)
-    q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
-    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
-    w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
-for _ in range(4):
-    w.run(q, cache)
-torch.cuda.synchronize()
-print(what, w.last_plan)
+
+def main() -> None:
+    op = sys.argv[1] if len(sys.argv) > 1 else "prefill"
+    if op not in ("prefill", "decode"):
+        raise SystemExit(f"profile_kernels.py: op must be 'prefill' or 'decode', got {op!r}")
+    batch, length = (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "32x512").split("x"))
+    indptr, indices, last, cache = paged_tables(batch, length, seed=1)
+    plan_args = (indptr, indices, last, H_Q, H_KV, D, PS)
+    if op == "prefill":
+        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
+        plan_args = (qo_indptr, *plan_args)
+        make = {"attnjit": lambda ws: attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)}
+        kw = {"causal": True}
+    else:
+        q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
+        make = {"attnjit": lambda ws: attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)}
+        kw = {}
+    fi = load_flashinfer()
+    if fi is not None:
+        make["flashinfer"] = (lambda ws: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")) \
+            if op == "prefill" else (lambda ws: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True))
+    for name, new in make.items():
+        w = new(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+        w.plan(*plan_args, q_data_type=DT, kv_data_type=DT, **kw)
+        for _ in range(4):
+            w.run(q, cache)
+        torch.cuda.synchronize()
+        print(name, op, f"{batch}x{length}", getattr(w, "last_plan", ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -119,7 +119,7 @@ if has profile; then   # Nsight Compute on the short prefill rows, attnjit and F
     for who in attnjit flashinfer; do
       k=attnjit_attention; [ $who = flashinfer ] && k=Prefill
       "$ncu" --clock-control none -k regex:$k --launch-skip 2 --launch-count 1 --set full --import-source yes \
-        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_prefill.py $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
+        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py prefill $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page source --csv --print-source sass >"/tmp/src-$who-$shape.csv" 2>&1
       python3 benchmarks/ncu_source.py "/tmp/src-$who-$shape.csv" 30 >"$OUT/stalls-$who-$shape.txt" 2>&1

@@ -82,6 +82,15 @@ def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, n
     return chunk if chunk < max_kv else None
 
 
+def item_cost(rec: Sequence[int], *, cta_q: int, group: int, causal: bool) -> int:
+    """What the work order sorts by: packed rows x KV tokens the item visits (at least 1) of one work record."""
+    _req, qt, kv_begin, kv_end = rec[:4]
+    q, k = rec[9], rec[10]
+    rows = min(cta_q, q * group - qt * cta_q)
+    end = k - q + (qt * cta_q + rows - 1) // group + 1 if causal else k
+    return rows * max(1, min(kv_end, end) - kv_begin)
+
+
 def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int],
               kv_bases: Sequence[int], group: int, tile: Tile, causal: bool, num_kv_heads: int, slots: int,
               max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
@@ -106,7 +115,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         plan.records = [(i, 0, 0, kv_lens[i], -1, 0, 1, -1, qo_offsets[i], qo_lens[i], kv_lens[i], kv_bases[i])
                         for i in order]
         return plan
-    items = []  # (request rank, -cost, order, record); the rank is filled in below
+    per_request: list[list[tuple[int, tuple[int, ...]]]] = []  # (cost, record) of each request with work
     next_slot = 0
     for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
         if not t:
@@ -114,38 +123,25 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         n_chunks = _ceil(k, chunk) if chunk is not None and k > chunk else 1
         qo_off, kv_base = qo_offsets[i], kv_bases[i]
         if n_chunks == 1:   # the common case: one item per q tile, the whole history
+            recs = [(i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base) for qt in range(t)]
+        else:
+            base = next_slot
+            next_slot += n_chunks * q
+            plan.split_requests += 1
+            recs = []
             for qt in range(t):
-                rows = min(cta_q, q * group - qt * cta_q)
-                visited = (k - q + (qt * cta_q + rows - 1) // group + 1) if causal else k
-                items.append([0, -(rows * max(visited, 1)), len(items), (i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base)])
-            continue
-        base = next_slot
-        next_slot += n_chunks * q
-        plan.split_requests += 1
-        for qt in range(t):
-            rows = min(cta_q, q * group - qt * cta_q)
-            last_token = (qt * cta_q + rows - 1) // group
-            causal_end = k - q + last_token + 1 if causal else k
-            group_id = plan.num_groups
-            plan.num_groups += 1
-            for c in range(n_chunks):
-                kb = c * chunk
-                ke = min(k, kb + chunk)
-                visited = max(0, min(ke, causal_end) - kb)
-                items.append([0, -(rows * max(visited, 1)), len(items),
-                              (i, qt, kb, ke, base, c, n_chunks, group_id, qo_off, q, k, kv_base)])
+                group_id = plan.num_groups
+                plan.num_groups += 1
+                recs += [(i, qt, c * chunk, min(k, (c + 1) * chunk), base, c, n_chunks, group_id, qo_off, q, k, kv_base)
+                         for c in range(n_chunks)]
+        costs = [(item_cost(r, cta_q=cta_q, group=group, causal=causal), r) for r in recs]
+        costs.sort(key=lambda cr: -cr[0])   # longest first; stable, so ties keep q tile / chunk order
+        per_request.append(costs)
     if next_slot > max_slots:
         raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
                          f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")
-    heaviest: dict[int, int] = {}  # request -> -(its costliest item)
-    for it in items:
-        r = it[3][0]
-        heaviest[r] = min(heaviest.get(r, 0), it[1])
-    rank = {r: n for n, r in enumerate(sorted(heaviest, key=lambda r: (heaviest[r], r)))}
-    for it in items:
-        it[0] = rank[it[3][0]]
-    items.sort()
-    plan.records = [rec for _rank, _cost, _order, rec in items]
+    per_request.sort(key=lambda costs: -costs[0][0])   # heaviest request first; stable: ties keep request order
+    plan.records = [rec for costs in per_request for _cost, rec in costs]
     plan.chunk = chunk if plan.split_requests else None
     plan.num_slots = next_slot
     return plan

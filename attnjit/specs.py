@@ -37,9 +37,9 @@ _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 # that does not change its kernel, so two specs that compile to the same code are equal.
 _FIELDS_BY_OP = {
     "prefill": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "mask", "layout",
-                "kv", "group_size", "variant"},
+                "kv", "group_size", "variant", "family"},
     "decode": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "layout", "kv",
-               "group_size", "variant"},
+               "group_size", "variant", "family"},
     "merge_state": {"head_dim_vo", "dtype_o"},
     "append_kv": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_kv", "layout"},
 }
@@ -85,6 +85,7 @@ class AttentionSpec:
     kv: str | None = None              # paged | ragged (attention ops)
     group_size: int | None = None      # H_q / H_kv, fused into one CTA
     variant: Variant | None = None     # custom attention (attnjit.Variant, or its "module:attribute")
+    family: str | None = None          # kernel family (attnjit.families): fa2 | sm90; default from the arch
     arch: str = DEFAULT_ARCH           # nvcc target, e.g. sm_90a
     head_dim: InitVar[int | None] = None
     dtype: InitVar[str | None] = None
@@ -185,6 +186,17 @@ class AttentionSpec:
         m = _ARCH_RE.match(str(self.arch))
         if not m or int(m.group(1)) < 80:
             raise SpecError("arch", self.arch, "expected sm_XY or sm_XYa with XY >= 80 (e.g. sm_90a, sm_80)")
+        if "family" in used:
+            from . import families  # families know nothing of specs at import time
+
+            if self.family is None:
+                set_("family", families.default_family(self))
+            elif self.family not in families.NAMES:
+                raise SpecError("family", self.family, f"expected one of {', '.join(families.NAMES)}")
+            else:
+                reason = families.unsupported(self)
+                if reason is not None:
+                    raise SpecError("family", self.family, reason)
 
     # --- canonical form ---------------------------------------------------------------------------------
 
@@ -247,11 +259,19 @@ class AttentionSpec:
             parts.append(self.layout)
         if self.variant is not None:
             parts.append(f"v{self.variant.name}")
+        if self.family:
+            parts.append(self.family)
         parts.append(self.arch)
         return "-".join(str(p) for p in parts)
 
     def replace(self, **changes: Any) -> "AttentionSpec":
+        """A spec with some fields changed. A defaulted family is defaulted again (the change may move it)."""
         data = self.to_dict()
+        if "family" not in changes and self.family is not None:
+            from . import families
+
+            if self.family == families.default_family(self):
+                del data["family"]
         data.update(changes)
         return AttentionSpec.from_dict({k: v for k, v in data.items() if v is not None})
 

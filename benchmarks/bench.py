@@ -220,18 +220,19 @@ SWEEP_DECODE = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 2, 3), (1, 4, 1, 1, 4, 1), (1, 
 
 
 def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> list[dict]:
-    """Time each tile variant as ``generator.<factory>``'s tile (a tuning aid: the winner goes into the
-    generator). ``run_rows(res)`` appends one result row per shape; a tile that does not build is reported."""
+    """Time each tile variant as ``attnjit.families.fa2.<factory>``'s tile (a tuning aid: the winner goes into the
+    family). ``run_rows(res)`` appends one result row per shape; a tile that does not build is reported."""
     from attnjit import dispatch, generator
+    from attnjit.families import fa2
 
-    original = getattr(generator, factory)
+    original = getattr(fa2, factory)
     out = []
     try:
         for v in variants:
-            tile = generator.Tile(D, PS, *v)
-            setattr(generator, factory, lambda *args, tile=tile: tile)
+            tile = fa2.Tile(D, PS, *v)
+            setattr(fa2, factory, lambda *args, tile=tile: tile)
             generator.render.cache_clear()
-            generator.tiles_for.cache_clear()
+            fa2.tiles.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []
             try:
@@ -243,19 +244,19 @@ def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> 
                         **{r["shape"]: round(r[metric], digits) for r in res}})
             print(json.dumps(out[-1]), flush=True)
     finally:
-        setattr(generator, factory, original)
+        setattr(fa2, factory, original)
         generator.render.cache_clear()
-        generator.tiles_for.cache_clear()
+        fa2.tiles.cache_clear()
         dispatch.clear_memory()
     return out
 
 
 def sweep_decode(rows) -> list[dict]:
-    return _sweep_tiles("_narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
+    return _sweep_tiles("narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
 
 def sweep_prefill(rows) -> list[dict]:
-    return _sweep_tiles("_wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False),
+    return _sweep_tiles("wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False),
                         "attnjit_tflops", 1)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from attnjit.errors import NoGPUError
-from attnjit.generator import tiles_for
+from attnjit.families import tiles_for
 from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
                                    BatchPrefillWithRaggedKVCacheWrapper)
 from attnjit.ops.scheduler import MIN_CHUNK, choose_chunk, plan_work
@@ -512,7 +512,7 @@ def test_work_list_fast_path_equals_the_general_one():
     (longest first, stable) order as the general loop, which a huge fixed chunk forces."""
     import random
 
-    from attnjit.generator import tiles_for
+    from attnjit.families import tiles_for
     from attnjit.ops.scheduler import plan_work
     from attnjit.specs import AttentionSpec
 
@@ -558,7 +558,7 @@ def test_work_order_keeps_a_requests_q_tiles_together():
     """Causal prefill of 64 and 256 tokens (group 4, 128-row q tiles): the longer request's 8 q tiles come first,
     last tile first, then the shorter one's 2; a global longest-first order would interleave the two requests and
     make each wave of CTAs re-read both requests' K/V."""
-    from attnjit.generator import tiles_for
+    from attnjit.families import tiles_for
     from attnjit.ops.scheduler import plan_work
     from attnjit.specs import AttentionSpec
 

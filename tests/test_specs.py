@@ -173,7 +173,7 @@ def test_canonical_form_is_one_string_per_spec():
     assert a.canonical() == b.canonical()
     assert a.canonical() == ('{"op":"prefill","head_dim_qk":128,"head_dim_vo":128,"page_size":16,"dtype_q":"bf16",'
                              '"dtype_kv":"bf16","dtype_o":"bf16","mask":"causal","layout":"NHD","kv":"paged",'
-                             '"group_size":4,"arch":"sm_90a"}')
+                             '"group_size":4,"family":"fa2","arch":"sm_90a"}')
     # mask is only part of prefill's canonical form (it is always "none" elsewhere)
     assert "mask" not in AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="fp16").canonical()
 

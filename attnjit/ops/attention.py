@@ -17,7 +17,8 @@ import torch
 
 from .. import dispatch, knobs
 from ..errors import NoGPUError
-from ..generator import PARAMS, Tile, attention_layout, tiles_for, variant_param_name
+from .. import families
+from ..generator import PARAMS, attention_layout, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from ._variants import Binding, bind, check_value
@@ -57,7 +58,7 @@ class _Plan:
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
 
     def decision(self) -> dict:
-        return self.work.decision(self.num_kv_heads)
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads)}
 
 
 def _check_causal(qo: list[int], kv_lens: list[int]) -> None:
@@ -101,7 +102,7 @@ class _AttentionWrapper:
         self._graph_grid: int | None = None  # fixed attention grid.x
         self._graph_batch: int | None = None
         self._graph_spec: AttentionSpec | None = None
-        self._graph_tile: Tile | None = None
+        self._graph_tile = None  # the family's tile of the first plan
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
@@ -166,16 +167,15 @@ class _AttentionWrapper:
         on_gpu = self._device.type == "cuda"
         if on_gpu and not torch.cuda.is_available():
             raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
-        tiles = tiles_for(spec)
-        max_rows = max((q * group for q in qo_lens), default=0)
-        fitting = [t for t in tiles if max_rows <= t.cta_q] or [tiles[-1]]
-        tile: Tile = fitting[0]
-        if len(fitting) > 1 and fitting[1].tag == "deep" and not self._use_cuda_graph:
-            # decode: the deep-pipeline tile when the batch alone cannot fill the GPU (the split-KV case)
-            _, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
-            items = sum(-(-(q * group) // tile.cta_q) for q in qo_lens if q) * num_kv_heads
-            if items < per_sm * sms and not disable_split_kv:
-                tile = fitting[1]
+
+        def capacity(t) -> int:  # resident CTAs of tile t over all SMs
+            _, per_sm, sms = self._kernel_for(spec, t, on_gpu)
+            return per_sm * sms
+
+        # the deep decode tile serves split-KV batches; graph mode keeps the tile of its first plan
+        tile = families.get(spec.family).choose_tile(
+            spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
+            allow_split=not disable_split_kv and not self._use_cuda_graph, capacity=capacity)
         if self._use_cuda_graph:
             # a captured graph replays the kernel it captured: later plans keep its spec and tile
             if self._graph_spec is None:
@@ -210,7 +210,7 @@ class _AttentionWrapper:
         self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
         self._plan = plan
 
-    def _kernel_for(self, spec: AttentionSpec, tile: Tile, on_gpu: bool) -> tuple[Any, int, int]:
+    def _kernel_for(self, spec: AttentionSpec, tile, on_gpu: bool) -> tuple[Any, int, int]:
         """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module."""
         if not on_gpu:
             return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)

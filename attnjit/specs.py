@@ -288,7 +288,8 @@ def expand_table(table: dict[str, Any]) -> list[dict[str, Any]]:
 def load_catalog(path: str | Path, *, arch: str | None = None) -> list[AttentionSpec]:
     """Read a TOML catalog (``[[spec]]`` tables) into specs, de-duplicated, in file order.
 
-    ``arch`` fills in tables that name none. Errors name the file, the table and the field.
+    ``arch`` fills in tables that name none. A table that names no ``family`` gives each attention spec once per
+    family plan() may run it on (``families.dispatchable``). Errors name the file, the table and the field.
     """
     path = Path(path)
     try:
@@ -328,9 +329,20 @@ def load_catalog(path: str | Path, *, arch: str | None = None) -> list[Attention
                 raise CatalogError(path, t, exc.field, f"{exc.value!r} is not supported: {exc.allowed}") from None
             except TypeError as exc:
                 raise CatalogError(path, t, None, str(exc)) from None
-            if spec not in specs:
-                specs.append(spec)
+            # a table that names no family warms every family plan() may dispatch the spec on (on sm_90a a prefill
+            # spec runs on sm90, and on fa2 for decode-like batches)
+            siblings = [spec] if "family" in table or spec.family is None else [
+                spec if f == spec.family else spec.replace(family=f) for f in _dispatch_families(spec)]
+            for s in siblings:
+                if s not in specs:
+                    specs.append(s)
     return specs
+
+
+def _dispatch_families(spec: AttentionSpec) -> list[str]:
+    from . import families
+
+    return families.dispatchable(spec)
 
 
 def dump_catalog(specs: Iterable[AttentionSpec], header: str = "") -> str:

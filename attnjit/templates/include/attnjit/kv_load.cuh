@@ -104,10 +104,53 @@ __device__ __forceinline__ void stage_page_ids(const Item& it, int tile, int32_t
   }
 }
 
-// Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs (its page ids must be resident in
-// the ring). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
-template <typename G, typename Item>
-__device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const int32_t* ring,
+// Whether a copy pass lies within one page (pages of at least a pass's rows): then every thread of pass s reads
+// page (s * RPP) / PAGE_SIZE of the tile, a constant index, instead of one page id per row.
+template <typename G>
+__host__ __device__ constexpr bool pass_in_page() {
+  constexpr int RPP = G::LOAD_THREADS / 8;
+  return G::PAGED && RPP <= G::PAGE_SIZE && (RPP & (RPP - 1)) == 0;
+}
+
+// The page ids of a tile's copy passes, read from the shared ring that stage_page_ids fills.
+template <typename G>
+struct RingPageIds {
+  const int32_t* pages;  // the tile's ring slot
+  int kv0, r0;           // the tile's first key, the thread's first row
+  __device__ __forceinline__ int operator()(int s) const {
+    constexpr int RPP = G::LOAD_THREADS / 8;
+    if constexpr (pass_in_page<G>()) return pages[(s * RPP) >> G::PAGE_SHIFT];
+    return pages[((kv0 + r0 + s * RPP) >> G::PAGE_SHIFT) - (kv0 >> G::PAGE_SHIFT)];
+  }
+};
+
+// The page ids of a tile's copy passes, in registers (load_page_ids fills them straight from the page table).
+template <int PASSES>
+struct RegPageIds {
+  int ids[PASSES];
+  __device__ __forceinline__ int operator()(int s) const { return ids[s]; }
+};
+
+// Load the page id of each of this thread's copy passes of tile `tile` (0 where the pass has no visible row).
+template <typename G, typename Item, int PASSES>
+__device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageIds<PASSES>& out, unsigned tid) {
+  if constexpr (G::PAGED) {
+    constexpr int RPP = G::LOAD_THREADS / 8;
+    const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices) + it.kv_base;
+    const int kv0 = it.kv_begin + tile * G::CTA_KV;
+#pragma unroll
+    for (int s = 0; s < PASSES; ++s) {
+      const int j = pass_in_page<G>() ? kv0 + s * RPP : kv0 + static_cast<int>(tid / 8) + s * RPP;
+      out.ids[s] = j < it.kv_stop ? __ldg(indices + (j >> G::PAGE_SHIFT)) : 0;
+    }
+  }
+}
+
+// Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs, reading page ids from page_id(s)
+// (RingPageIds or RegPageIds). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
+// LOAD_K / LOAD_V: which of the two to copy (a producer that feeds K and V through separate rings copies one).
+template <typename G, bool LOAD_K = true, bool LOAD_V = true, typename Item, typename PageIds>
+__device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const PageIds& page_id,
                                           unsigned tid) {
   using T = typename G::T;
   constexpr int D = G::HEAD_DIM;
@@ -122,11 +165,10 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   const int c0 = tid % 8;
   const int r0 = static_cast<int>(tid) / 8;
   const uint32_t dst0 = r0 * G::KV_PITCH + ((c0 ^ (r0 & 7)) << 4);  // rows r0 + s * RPP: same r & 7
-  const int32_t* pages = ring + (tile % G::PAGE_RING) * G::PAGES_PER_TILE;
   // paged, a pass within one page: pass s reads page id (s * RPP) / PAGE_SIZE of the tile (a constant index)
-  // at slot slot0 + r0 + (s * RPP) % PAGE_SIZE. Invalid rows keep an in-bounds address: their page id was
-  // zero-filled when staged, or is the tile's own page.
-  constexpr bool PASS_IN_PAGE = G::PAGED && RPP <= G::PAGE_SIZE && (RPP & (RPP - 1)) == 0;
+  // at slot slot0 + r0 + (s * RPP) % PAGE_SIZE. Invalid rows keep an in-bounds address: their page id is 0 (the
+  // ring's are zero-filled when staged), or the tile's own page.
+  constexpr bool PASS_IN_PAGE = pass_in_page<G>();
   int64_t thread_off = 0, slot_stride = 0;
   if constexpr (PASS_IN_PAGE) {
     slot_stride = G::HND ? D : p.kv_stride_1;
@@ -142,11 +184,11 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     const bool valid = kv0 + r < it.kv_stop;
     int64_t off;
     if constexpr (PASS_IN_PAGE) {
-      const int page = pages[(s * RPP) >> G::PAGE_SHIFT];
+      const int page = page_id(s);
       off = page * p.kv_stride_0 + thread_off + ((s * RPP) & (G::PAGE_SIZE - 1)) * slot_stride;
     } else if constexpr (G::PAGED) {
       const int j = kv0 + r;
-      const int page = pages[(j >> G::PAGE_SHIFT) - (kv0 >> G::PAGE_SHIFT)];
+      const int page = page_id(s);
       off = paged_offset<G::HND, D>(page, j & (G::PAGE_SIZE - 1), it.kv_head, p.kv_stride_0, p.kv_stride_1);
       off = valid ? off + c0 * 8 : 0;
     } else {
@@ -155,8 +197,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * G::KV_PITCH : tile_offset<G::KV_PITCH, G::KV_STEP>(r, c0);
 #pragma unroll
     for (int j = 0; j < CPT; ++j) {
-      cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
-      cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
+      if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
+      if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
     }
   }
 }

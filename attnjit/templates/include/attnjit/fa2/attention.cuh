@@ -417,8 +417,9 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
   // K and V of tile `tile` into pipeline stage `stage` (its page ids must be resident).
   __device__ __forceinline__ void issue_kv(int tile, int stage) const {
-    gather_kv<Tr>(*this, tile, smem_u32(k_smem(stage)), smem_u32(v_smem(stage)),
-                  page_smem(), threadIdx.x);
+    const RingPageIds<Tr> pages{page_smem() + (tile % Tr::PAGE_RING) * Tr::PAGES_PER_TILE,
+                                kv_begin + tile * Tr::CTA_KV, static_cast<int>(threadIdx.x) / 8};
+    gather_kv<Tr>(*this, tile, smem_u32(k_smem(stage)), smem_u32(v_smem(stage)), pages, threadIdx.x);
   }
 
   __device__ __forceinline__ void run_item(int w, int head, float scale2) {

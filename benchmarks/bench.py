@@ -324,6 +324,7 @@ def main() -> int:
     ap.add_argument("--only", choices=["decode", "prefill", "variants"])
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
+    ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
@@ -345,6 +346,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     fi = None if args.no_flashinfer else load_flashinfer()
+    fi_skip = frozenset(filter(None, args.fi_skip.split(",")))
     t0 = time.time()
     ceilings = measure_ceilings()
     print(json.dumps({"ceilings": ceilings}), flush=True)
@@ -356,10 +358,10 @@ def main() -> int:
         print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
     if args.only in (None, "prefill"):
         rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
-        prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
     if args.only in (None, "variants"):
-        prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),

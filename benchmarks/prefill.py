@@ -89,8 +89,10 @@ def _flashinfer(fi, ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan
 
 
 def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True, families=("auto", "fa2"),
-               fi_backends=("fa2", "fa3")) -> None:
-    """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran."""
+               fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
+    """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran. ``fi_skip``:
+    FlashInfer modules not to run ("fa3:64": its fa3 module at head_dim 64; each costs minutes of JIT on the GPU
+    machine when its cache was not carried)."""
     for i, row in enumerate(rows):
         q, qo_indptr, kv, tables = _inputs(row, seed=1 + i)
         r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
@@ -107,6 +109,9 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True, fami
                 r[f"{name}_max_diff"] = (out.float() - ref).abs().max().item()
         for backend in fi_backends if fi is not None else ():
             name = f"flashinfer_{backend}"
+            if f"{backend}:{row.head_dim}" in fi_skip:
+                r[f"{name}_error"] = "skipped (--fi-skip: its JIT module was not carried)"
+                continue
             try:
                 run = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend)
                 out = torch.empty_like(q)
@@ -147,8 +152,10 @@ VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 3
             ("user variant (logit + bias)", {}, {"bias": 0.5}, None, USER_BIAS)]
 
 
-def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",)) -> None:
-    """Each built-in and a user variant on the default family, against its default kernel (and FlashInfer's)."""
+def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",),
+                   fi_skip=frozenset()) -> None:
+    """Each built-in and a user variant on the default family, against its default kernel (and FlashInfer's;
+    "fa3:variants" in ``fi_skip`` skips FlashInfer's variant modules)."""
     q, qo_indptr, kv, tables = _inputs(row, seed=7)
     out = torch.empty_like(q)
     for feature, plan_kw, run_kw, fi_kw, variant in VARIANTS:
@@ -157,6 +164,9 @@ def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), 
         r["attnjit_ms"] = time_ms(lambda: run(out, **run_kw))
         r["family"] = w.last_plan["family"]
         for backend in fi_backends if fi is not None and fi_kw is not None else ():
+            if fi_kw and f"{backend}:variants" in fi_skip:
+                r[f"flashinfer_{backend}_error"] = "skipped (--fi-skip)"
+                continue
             try:
                 frun = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend, **fi_kw)
                 fout = torch.empty_like(q)

@@ -444,3 +444,49 @@ def test_merge_states_views(layout):
     else:
         with pytest.raises(NoGPUError, match=r"merge_states: v is on cpu"):
             attnjit.merge_states(v, s)
+
+
+# --- the device metadata layout (run here with a CPU "device": the same code a GPU plan runs) ---------------
+
+def _work(n: int) -> np.ndarray:
+    return np.arange(n * 12, dtype=np.int32).reshape(n, 12)
+
+
+def test_metadata_upload_layout_and_page_ids():
+    from attnjit.ops._upload import MetadataBuffers
+
+    dev = torch.device("cpu")
+    meta = MetadataBuffers(dev, use_cuda_graph=False, max_work_items=None)
+    keep: list = []
+    host_ids = _column([7, 2, 11, 3, 99])
+    ptr = meta.upload(_work(3), num_groups=2, num_kv_heads=4, page_ids=host_ids, used=4, batch=3, keep=keep)
+    buf = keep[0]
+    base = buf.data_ptr()
+    assert buf.tolist()[:4] == [3, 0, 0, 0]                            # work count, padded to 16 bytes
+    assert ptr["work_count"] == base and ptr["work"] == base + 16
+    assert buf[4:40].tolist() == list(range(36))                       # the records, row-major
+    assert ptr["merge_counters"] == base + 4 * 40 and buf[40:48].tolist() == [0] * 8
+    assert ptr["kv_indices"] == base + 4 * 48 and buf[48:].tolist() == [7, 2, 11, 3]  # strided host ids, dense
+
+
+def test_graph_metadata_keeps_its_addresses_and_names_what_to_raise():
+    from attnjit.ops._upload import MetadataBuffers
+
+    dev = torch.device("cpu")
+    fixed = torch.zeros(8, dtype=torch.int32)
+    meta = MetadataBuffers(dev, use_cuda_graph=True, max_work_items=None)
+    meta.fixed_page_ids = fixed
+    keep: list = []
+    p1 = meta.upload(_work(2), num_groups=1, num_kv_heads=2, page_ids=i32([4, 5, 6]), used=3, batch=2, keep=keep)
+    assert fixed[:3].tolist() == [4, 5, 6] and p1["kv_indices"] == fixed.data_ptr()
+    p2 = meta.upload(_work(5), num_groups=0, num_kv_heads=2, page_ids=fixed[:2], used=2, batch=2, keep=[])
+    assert p2 == p1 and meta.fixed_meta[0].item() == 5                 # same addresses, new work count
+    assert meta.fixed_meta[4:4 + 60].tolist() == list(range(60))
+    with pytest.raises(ValueError, match=r"first planned for batch size 2; plan\(\) got batch size 3"):
+        meta.check_batch(3)
+    with pytest.raises(ValueError, match=r"needs 65 work items but the wrapper's fixed buffers hold 64; build the "
+                                         r"wrapper with a larger max_work_items"):
+        meta.upload(_work(65), num_groups=0, num_kv_heads=2, page_ids=None, used=0, batch=2, keep=[])
+    with pytest.raises(ValueError, match=r"uses 9 page ids, more than the 8 of the wrapper's fixed page-id buffer"):
+        meta.upload(_work(1), num_groups=0, num_kv_heads=2, page_ids=i32(list(range(9))), used=9, batch=2,
+                    keep=[])

@@ -51,7 +51,8 @@ class MetadataBuffers:
         head = _HEAD + records.size
         if self.graph:
             self._check_caps(items, tickets, num_kv_heads)
-        staging = torch.empty(head + tickets + (used if host_ids else 0), dtype=torch.int32, pin_memory=True)
+        staging = torch.empty(head + tickets + (used if host_ids else 0), dtype=torch.int32,
+                              pin_memory=self.device.type == "cuda")  # (a CPU device: the tests of this layout)
         host = staging.numpy()
         host[0], host[1:_HEAD] = items, 0
         host[_HEAD:head] = records.reshape(-1)

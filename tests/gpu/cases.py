@@ -193,9 +193,26 @@ VARIANTS = [
 ]
 
 
+# What tests/gpu/test_views.py compiles (views of every argument of every op; issue 10).
+_VIEW_BASE = dict(head_dim=128, page_size=16, dtype="bf16", group_size=4)
+VIEW_SPECS = [
+    AttentionSpec(op="prefill", mask="causal", **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="causal", layout="HND", **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="causal", variant=HEAD_SCALE, **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="none", variant=builtin.CUSTOM_MASK, **_VIEW_BASE),
+    AttentionSpec(op="decode", **_VIEW_BASE),
+    AttentionSpec(op="decode", layout="HND", **_VIEW_BASE),
+    AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="causal"),
+    AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
+    AttentionSpec(op="merge_state", head_dim=128, dtype="bf16"),
+    AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype="bf16", layout="NHD"),
+    AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype="fp16", layout="HND"),
+]
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    for s in [c.spec() for c in ALL] + EXTRA_SPECS + [c.spec() for c in VARIANTS]:
+    for s in [c.spec() for c in ALL] + EXTRA_SPECS + [c.spec() for c in VARIANTS] + VIEW_SPECS:
         if s not in out:
             out.append(s)
     return out

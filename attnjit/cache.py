@@ -11,8 +11,11 @@ Contracts:
     releases a dead process's lock. Lookups take no lock.
   * On lookup the cubin's sha256 is checked against the manifest; a bad entry is reported and treated as a
     miss, and the next build replaces it.
-  * The root is created private (0700). A root or read-only layer (``ATTNJIT_CACHE_PATH``) that other users can
-    write is refused: loading a cubin runs its code on the GPU.
+  * Trust (``trust``): only what the current user (or root) owns and nobody else can write is used: the root and
+    each layer (else ``UnsafeCacheError``), the shard and entry directories and every file (else a bad entry, a
+    miss). Entry files are opened without following symlinks, must be regular files of bounded size, and are read
+    once: the cubin bytes that were hashed are the bytes handed to the loader (``Entry.image``).
+  * The root is created private (0700), its entries 0700/0600.
 
 This module knows nothing about attention: it stores what it is given under the key of what it is given.
 """
@@ -32,6 +35,7 @@ import sys
 import time
 import uuid
 import warnings
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -42,6 +46,8 @@ from filelock import FileLock, Timeout
 from . import knobs
 from .errors import CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .toolchain import Nvcc
+from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
+                    read_file)
 
 CACHE_FORMAT_VERSION = 1
 CUBIN, SOURCE, LOG, MANIFEST = "kernel.cubin", "kernel.cu", "build.log", "manifest.json"
@@ -90,12 +96,26 @@ class Job:
         return compute_key(source=self.source, flags=self.flags, nvcc_version=self.nvcc.version, arch=self.arch)
 
 
+def _dir_bytes(d: Path) -> int:
+    """Bytes of the regular files directly in ``d`` (lstat: never follows a link, never opens a file)."""
+    total = 0
+    try:
+        for p in d.iterdir():
+            st = p.lstat()
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    except OSError:
+        pass
+    return total
+
+
 @dataclass(frozen=True)
 class Entry:
     key: str
     dir: Path
     layer: Path         # the root or read-only layer it was found in
     manifest: dict[str, Any]
+    image: bytes = field(default=b"", repr=False, compare=False)  # the verified cubin bytes: load these
 
     @property
     def cubin(self) -> Path:
@@ -103,7 +123,7 @@ class Entry:
 
     @property
     def bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
+        return _dir_bytes(self.dir)
 
 
 @dataclass
@@ -167,20 +187,22 @@ class Cache:
 
     # --- safety -------------------------------------------------------------------------------------------
 
+    def _what(self, base: Path) -> str:
+        return "cache root" if base == self.root else "cache layer"
+
     def _check_safe(self, path: Path, what: str) -> None:
-        """Refuse a directory that users other than its owner can write (like ssh with a key file)."""
+        """Refuse a root or layer that another user owns or that others can write (like ssh with a key file)."""
         if path in self._checked:
             return
         try:
-            st = path.stat()
-        except FileNotFoundError:
-            return
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            st = check_tree_top(path, what)
+        except Untrusted as exc:
             raise UnsafeCacheError(
-                f"{what} {path} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); a cubin from it "
-                f"would run on the GPU. Make it private (chmod go-w {shlex.quote(str(path))}), or keep a shared "
-                "cache read-only and list it in ATTNJIT_CACHE_PATH.")
-        self._checked.add(path)
+                f"{exc}; a cubin from it would run on the GPU. Use a directory you own with "
+                f"chmod go-w {shlex.quote(str(path))}, or have root own a shared read-only layer "
+                "(ATTNJIT_CACHE_PATH).") from None
+        if st is not None:
+            self._checked.add(path)
 
     def root_writable(self) -> bool:
         """The root (or, if it does not exist yet, its nearest existing parent) can be written by us."""
@@ -222,58 +244,95 @@ class Cache:
         return base / key[:2] / key
 
     def read_entry(self, base: Path, key: str) -> tuple[Entry | None, str | None]:
-        """(entry, None) if valid, (None, problem) if present but bad, (None, None) if absent."""
+        """(entry, None) if valid, (None, problem) if present but bad or untrusted, (None, None) if absent.
+
+        The base itself must already have passed ``_check_safe``; an untrusted base raises UnsafeCacheError.
+        """
         d = self.entry_dir(base, key)
-        if not d.is_dir():
-            return None, None
         try:
-            manifest = json.loads((d / MANIFEST).read_text(encoding="utf-8"))
+            with ExitStack() as stack:
+                try:
+                    bfd = stack.enter_context(open_dir(base, f"{self._what(base)} {base}", follow=True))
+                except Untrusted as exc:
+                    raise UnsafeCacheError(f"{exc}; a cubin from it would run on the GPU") from None
+                sfd = stack.enter_context(open_dir(key[:2], f"shard directory {d.parent}", dir_fd=bfd))
+                efd = stack.enter_context(open_dir(key, "entry directory", dir_fd=sfd))
+                return self._read_files(efd, base, key, d)
+        except FileNotFoundError:
+            return None, None
+        except Untrusted as exc:
+            return None, f"untrusted: {exc}"
+        except OSError as exc:
+            return None, f"unreadable: {exc.strerror or exc}"
+
+    def _read_files(self, efd: int, base: Path, key: str, d: Path) -> tuple[Entry | None, str | None]:
+        try:
+            manifest = json.loads(read_file(efd, MANIFEST, MANIFEST, MAX_MANIFEST_BYTES).decode("utf-8"))
         except FileNotFoundError:
             return None, "manifest.json missing"
-        except (OSError, ValueError) as exc:
+        except (ValueError, UnicodeDecodeError) as exc:
             return None, f"manifest.json unreadable: {exc}"
+        except PermissionError as exc:
+            return None, f"manifest.json unreadable: {exc.strerror}"
         if not isinstance(manifest, dict) or manifest.get("key") != key:
             return None, "manifest.json names another key"
         if manifest.get("format") != CACHE_FORMAT_VERSION:
             return None, f"cache format {manifest.get('format')} (expected {CACHE_FORMAT_VERSION})"
-        cubin = d / CUBIN
         try:
-            digest = _sha256_file(cubin)
-        except OSError as exc:
-            return None, f"kernel.cubin unreadable: {exc.strerror or exc}"
+            image = read_file(efd, CUBIN, CUBIN, MAX_CUBIN_BYTES)
+        except FileNotFoundError:
+            return None, "kernel.cubin missing"
+        except PermissionError as exc:
+            return None, f"kernel.cubin unreadable: {exc.strerror}"
+        digest = hashlib.sha256(image).hexdigest()
         if digest != manifest.get("cubin_sha256"):
-            return None, f"kernel.cubin sha256 {digest[:16]} does not match the manifest's {str(manifest.get('cubin_sha256'))[:16]}"
-        for path, what in ((base, "cache layer" if base != self.root else "cache root"), (d.parent, "cache shard"),
-                           (d, "cache entry")):
-            self._check_safe(path, what)
-        return Entry(key=key, dir=d, layer=base, manifest=manifest), None
+            return None, (f"kernel.cubin sha256 {digest[:16]} does not match the manifest's "
+                          f"{str(manifest.get('cubin_sha256'))[:16]}")
+        return Entry(key=key, dir=d, layer=base, manifest=manifest, image=image), None
 
     def lookup(self, key: str) -> Entry | None:
         """The first valid entry for ``key`` in the root, then the layers. Bad entries are reported and skipped."""
         for base in self.search_path():
-            self._check_safe(base, "cache root" if base == self.root else "cache layer")
+            self._check_safe(base, self._what(base))
             entry, problem = self.read_entry(base, key)
             if entry is not None:
                 return entry
             if problem is not None:
                 bad = BadEntry(self.entry_dir(base, key), problem)
-                self.bad_entries.append(bad)
-                warnings.warn(f"attnjit: ignoring bad cache entry {bad.dir}: {problem} (it will be rebuilt)",
-                              BadEntryWarning, stacklevel=3)
+                if bad not in self.bad_entries:  # one line per bad entry, however often it is looked up
+                    self.bad_entries.append(bad)
+                    kind = "untrusted" if problem.startswith("untrusted: ") else "bad"
+                    fix = ("a build replaces it" if base == self.root else
+                           "layers are read-only: fix or remove it there; a build puts a good copy in the root")
+                    warnings.warn(f"attnjit: ignoring {kind} cache entry {bad.dir}: "
+                                  f"{problem.removeprefix('untrusted: ')} ({fix})", BadEntryWarning, stacklevel=3)
         return None
 
+    @staticmethod
+    def row_dir(base: Path, key: str) -> Path:
+        """The directory an ``iter_entries`` row names (an entry, or a shard that could not be listed)."""
+        return base / key if len(key) == 2 else base / key[:2] / key
+
     def iter_entries(self, bases: Iterable[Path] | None = None) -> Iterable[tuple[Path, str, Entry | None, str | None]]:
-        """(base, key, entry, problem) for every entry directory under the given bases (default: all)."""
+        """(base, key, entry, problem) for every entry directory under the given bases (default: all).
+
+        A shard directory that cannot be listed is one row whose key is the shard's two-hex-digit name."""
         for base in (bases if bases is not None else self.search_path()):
+            self._check_safe(base, self._what(base))
             if not base.is_dir():
                 continue
             for shard in sorted(base.iterdir()):
-                if not (shard.is_dir() and re.fullmatch(r"[0-9a-f]{2}", shard.name)):
+                if not re.fullmatch(r"[0-9a-f]{2}", shard.name) or not shard.is_dir():
                     continue
-                for d in sorted(shard.iterdir()):
-                    if _KEY_RE.match(d.name) and d.name.startswith(shard.name):
-                        entry, problem = self.read_entry(base, d.name)
-                        yield base, d.name, entry, problem
+                try:
+                    names = sorted(p.name for p in shard.iterdir())
+                except OSError as exc:
+                    yield base, shard.name, None, f"shard directory unreadable: {exc.strerror or exc}"
+                    continue
+                for name in names:
+                    if _KEY_RE.match(name) and name.startswith(shard.name):
+                        entry, problem = self.read_entry(base, name)
+                        yield base, name, entry, problem
 
     # --- building -----------------------------------------------------------------------------------------
 
@@ -461,20 +520,38 @@ class Cache:
         for p in d.iterdir():
             os.chmod(p, 0o600)
         os.chmod(d, 0o700)
+        image = cubin.read_bytes()  # our own private file, just written
         shard = self.root / job.key[:2]
+        try:
+            st = shard.lstat()
+            if not stat.S_ISDIR(st.st_mode) or ownership_problem(st, "shard"):
+                self._discard(shard)  # a link, a file or a foreign directory: never publish through it
+        except FileNotFoundError:
+            pass
         shard.mkdir(mode=0o700, exist_ok=True)
         dest = shard / job.key
-        if dest.exists():  # a bad entry (we hold the key's lock, and lookup rejected it)
-            os.replace(dest, self.root / ".trash" / f"{job.key}-{uuid.uuid4().hex[:8]}")
+        if os.path.lexists(dest):  # a bad entry (we hold the key's lock, and lookup rejected it)
+            self._discard(dest)
         os.replace(d, dest)
         _fsync(shard)
-        return Entry(key=job.key, dir=dest, layer=self.root, manifest=manifest)
+        return Entry(key=job.key, dir=dest, layer=self.root, manifest=manifest, image=image)
+
+    def _discard(self, path: Path) -> None:
+        """Move a root entry (or a bad shard) into .trash, where it is removed; works on unreadable entries too."""
+        if path.is_dir() and not path.is_symlink():
+            try:  # moving a directory updates its "..": it must be writable
+                os.chmod(path, 0o700)
+            except OSError:
+                pass
+        trash = self.root / ".trash"
+        trash.mkdir(mode=0o700, exist_ok=True)
+        os.replace(path, trash / f"{path.name}-{uuid.uuid4().hex[:8]}")
 
     # --- maintenance ----------------------------------------------------------------------------------------
 
     def verify(self) -> list[tuple[Path, str]]:
         """(entry dir, problem) for every bad entry in the root and the layers."""
-        return [(self.entry_dir(base, key), problem) for base, key, entry, problem in self.iter_entries()
+        return [(self.row_dir(base, key), problem) for base, key, entry, problem in self.iter_entries()
                 if entry is None]
 
     def clear(self) -> int:
@@ -486,8 +563,7 @@ class Cache:
         n = 0
         (self.root / ".trash").mkdir(mode=0o700, exist_ok=True)
         for base, key, _entry, _problem in list(self.iter_entries([self.root])):
-            d = self.entry_dir(base, key)
-            os.replace(d, self.root / ".trash" / f"{key}-{uuid.uuid4().hex[:8]}")
+            self._discard(self.row_dir(base, key))
             n += 1
         shutil.rmtree(self.root / ".trash", ignore_errors=True)
         shutil.rmtree(self.root / "failed", ignore_errors=True)
@@ -502,10 +578,10 @@ class Cache:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
         items = []
         for base, key, entry, _problem in self.iter_entries([self.root]):
-            d = self.entry_dir(base, key)
-            size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+            d = self.row_dir(base, key)
+            size = _dir_bytes(d)
             try:  # last use = the cubin's mtime, which touch() sets on every load (reading it for the
-                used = (d / CUBIN).stat().st_mtime  # sha256 check moves only the atime)
+                used = (d / CUBIN).lstat().st_mtime  # sha256 check moves only the atime)
             except OSError:
                 used = 0.0
             items.append((entry is not None, used, size, d, key))
@@ -517,8 +593,7 @@ class Cache:
         for _valid, _used, size, d, key in items:
             if total <= max_bytes:
                 break
-            (self.root / ".trash").mkdir(mode=0o700, exist_ok=True)
-            os.replace(d, self.root / ".trash" / f"{key}-{uuid.uuid4().hex[:8]}")
+            self._discard(d)
             total -= size
             removed += 1
         shutil.rmtree(self.root / ".trash", ignore_errors=True)
@@ -529,9 +604,8 @@ class Cache:
         for base in self.search_path():
             count = size = 0
             for b, key, entry, _problem in self.iter_entries([base]):
-                d = self.entry_dir(b, key)
                 count += 1
-                size += sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+                size += _dir_bytes(self.row_dir(b, key))
             out[str(base)] = {"entries": count, "bytes": size, "exists": base.is_dir()}
         return out
 
@@ -539,7 +613,7 @@ class Cache:
 def touch(entry: Entry) -> None:
     """Record a use (for prune's LRU order); silently skipped where the entry is read-only."""
     try:
-        os.utime(entry.cubin)
+        os.utime(entry.cubin, follow_symlinks=False)
     except OSError as exc:
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise

@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -223,8 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning (a bad cache entry, ...) is one line on stderr, not Python's two-line file:line form."""
+    print(f"attnjit: warning: {str(message).removeprefix('attnjit: ')}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.showwarning = _show_warning
     try:
         return args.fn(args)
     except (AttnjitError, CatalogError, SpecError) as exc:

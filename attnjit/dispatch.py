@@ -1,6 +1,7 @@
 """Runtime: load cubins with CuPy, launch on torch's current stream, and record every dispatch.
 
-Loading happens in plan() (``module(spec, device)``, memoized per (key, device)); run() only calls a prepared
+Loading happens in plan() (``module(spec, device)``, memoized per (key, device)) from the cubin bytes the cache
+verified; run() only calls a prepared
 ``Launch``: it packs the kernel's parameter struct into a preallocated buffer and calls ``cuLaunchKernel`` on the
 current stream. Nothing is compiled, loaded or allocated there, so a run() can be captured in a CUDA graph.
 
@@ -158,10 +159,12 @@ class Module:
         self.device_index = device_index
         t0 = time.perf_counter()
         with cupy.cuda.Device(device_index):
-            self.raw = cupy.RawModule(path=str(binary.entry.cubin))
+            # the bytes the cache verified (sha256, owner, mode), not the path again: no check-then-use window
+            self.raw = cupy.cuda.function.Module()
+            self.raw.load(binary.entry.image)
             self.kernels: dict[str, Kernel] = {}
             for name, info in render(self.spec).kernels.items():
-                fn = self.raw.get_function(name).kernel  # cupy.cuda.Function, loaded on this device
+                fn = self.raw.get_function(name)  # cupy.cuda.Function, loaded on this device
                 if info.smem:  # static shared memory counts too: always raise the dynamic limit to what we use
                     cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       info.smem)

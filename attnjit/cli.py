@@ -17,7 +17,7 @@ from pathlib import Path
 from . import knobs
 from .cache import Cache
 from .errors import AttnjitError, CatalogError
-from .specs import DEFAULT_ARCH, AttentionSpec, SpecError, dump_catalog, load_catalog
+from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog
 
 
 def _err(msg: str) -> None:
@@ -34,21 +34,30 @@ def _cache(args) -> Cache:
 
 def _specs(args) -> list[AttentionSpec]:
     arch = args.arch or knobs.ARCH.get() or DEFAULT_ARCH
-    specs: list[AttentionSpec] = []
+    specs: dict[AttentionSpec, None] = {}  # ordered, de-duplicated in O(1) per spec
     for path in args.catalogs:
-        for s in load_catalog(path, arch=arch):
-            if s not in specs:
-                specs.append(s)
+        specs.update(dict.fromkeys(load_catalog(path, arch=arch, max_specs=args.max_specs)))
     for text in args.spec or []:
+        if not text.strip():
+            raise CatalogError("--spec", None, None, "empty spec; expected key=value,... such as "
+                               "op=decode,head_dim=128,page_size=16,dtype=bf16")
         try:
             s = AttentionSpec.parse(text if "arch=" in text or text.lstrip().startswith("{") else f"{text},arch={arch}")
         except (SpecError, ValueError) as exc:
             raise CatalogError("--spec", None, getattr(exc, "field", None), str(exc)) from None
-        if s not in specs:
-            specs.append(s)
+        except TypeError as exc:  # a JSON object without op
+            raise CatalogError("--spec", None, None, f"{exc}; expected key=value,... with op=...") from None
+        specs.setdefault(s)
     if not specs:
         raise CatalogError("(command line)", None, None, "no specs: give a catalog file or --spec key=value,...")
-    return specs
+    return list(specs)
+
+
+def _cache_dir(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty --cache-dir names no directory; leave the option out for "
+                                         "ATTNJIT_CACHE_DIR or ~/.cache/attnjit")
+    return text
 
 
 def cmd_warm(args) -> int:
@@ -187,29 +196,38 @@ def cmd_catalog(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes are one line too: ``attnjit: error: ...`` and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"attnjit: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="attnjit", description="JIT attention kernels: pre-warm, inspect, render.")
+    parser = _Parser(prog="attnjit", description="JIT attention kernels: pre-warm, inspect, render.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def spec_args(p):
         p.add_argument("catalogs", nargs="*", help="spec catalog TOML files")
         p.add_argument("--spec", action="append", help="a spec as key=value,... (repeatable)")
         p.add_argument("--arch", help=f"target arch for specs that name none (default {DEFAULT_ARCH})")
+        p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS,
+                       help=f"refuse catalogs that expand to more specs than this (default {MAX_CATALOG_SPECS:,})")
 
     p = sub.add_parser("warm", help="compile every spec of the catalogs into the cache")
     spec_args(p)
     p.add_argument("--jobs", "-j", type=int, help="parallel nvcc jobs (default: CPU count)")
-    p.add_argument("--cache-dir", help="cache root (default ATTNJIT_CACHE_DIR or ~/.cache/attnjit)")
+    p.add_argument("--cache-dir", type=_cache_dir, help="cache root (default ATTNJIT_CACHE_DIR or ~/.cache/attnjit)")
     p.set_defaults(fn=cmd_warm)
 
     p = sub.add_parser("cache", help="list, verify, clear or prune the cache")
     p.add_argument("action", choices=["list", "verify", "clear", "prune"])
     p.add_argument("--max-bytes", type=int, help="prune: keep at most this many bytes of entries")
-    p.add_argument("--cache-dir", help="cache root")
+    p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_cache)
 
     p = sub.add_parser("info", help="versions, nvcc, arch, cache root and layers")
-    p.add_argument("--cache-dir", help="cache root")
+    p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("render", help="print the CUDA source of each spec")

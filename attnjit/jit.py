@@ -50,8 +50,27 @@ def job_for(spec: AttentionSpec) -> Job:
                label=spec.short_name(), meta={"spec": spec.to_dict()}, context=spec)
 
 
-def warm_command(spec: AttentionSpec, cache: Cache) -> str:
+def warm_command(spec: AttentionSpec, cache: Cache) -> str | None:
+    """The command that warms ``spec`` into ``cache``, or None when no command line can name the spec (its variant
+    was declared in ``__main__`` or not at module level: there is no ``module:attribute`` to write)."""
+    if spec.variant is not None and spec.variant.ref is None:
+        return None
     return f"attnjit warm --spec {shlex.quote(spec.as_flags())} --cache-dir {shlex.quote(str(cache.root))}"
+
+
+def cache_miss(spec: AttentionSpec, key: str, cache: Cache, *, reason: str = "strict",
+               nvcc_tried: tuple[str, ...] = ()) -> CacheMissError:
+    """The error for a kernel that cannot be served: with the entries that were refused and the fix."""
+    command = warm_command(spec, cache)
+    hint = None
+    if command is None:
+        assert spec.variant is not None
+        hint = (f"Its variant {spec.variant.name!r} was declared in __main__ (or not at module level), so no "
+                "catalog or --spec can name it: assign it to a module-level name of an importable module (a catalog "
+                "then names it variant = \"module:NAME\"), or warm it from that script with attnjit.warm([spec]).")
+    bad = tuple((b.dir, b.problem) for b in cache.bad_entries if b.dir.name == key)
+    return CacheMissError(spec, key, cache.search_path(), command, bad=bad, reason=reason, nvcc_tried=nvcc_tried,
+                          hint=hint)
 
 
 @dataclass(frozen=True)
@@ -72,7 +91,7 @@ def ensure(spec: AttentionSpec, cache: Cache | None = None) -> Binary:
     if entry is not None:
         return Binary(spec, entry, "disk", None, (time.perf_counter() - t0) * 1e3)
     if not knobs.JIT.get():
-        raise CacheMissError(spec, job.key, cache.search_path(), warm_command(spec, cache))
+        raise cache_miss(spec, job.key, cache)
     (result,) = cache.build([job])
     if result.status == "failed":
         assert result.error is not None

@@ -653,3 +653,40 @@ def test_clear_removes_root_entries_but_never_layers(golden, tmp_path):
     assert not (root / "failed").exists()
     assert cache.clear() == 0
     assert Cache(tmp_path / "never-made", layers=()).clear() == 0
+
+
+# --- strict-mode messages ---------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_a_strict_miss_on_a_bad_entry_says_it_was_bad_and_why(golden, tmp_path, monkeypatch):
+    root = golden.copy(tmp_path / "cache")
+    d = entry_dir(root, golden.key(MERGE_BF16))
+    _flip_cubin_byte(d)
+    monkeypatch.setenv("ATTNJIT_JIT", "0")
+    with pytest.warns(BadEntryWarning), pytest.raises(CacheMissError) as info:
+        jit.ensure(MERGE_BF16, Cache(root, layers=()))
+    err, msg = info.value, str(info.value)
+    assert err.bad == ((d, err.bad[0][1]),) and err.bad[0][1].startswith("kernel.cubin sha256")
+    assert msg.startswith(f"kernel in the cache is bad ({d}: kernel.cubin sha256 ")
+    assert "ATTNJIT_JIT=0 forbids compiling" in msg and "not in the cache" not in msg and err.command in msg
+
+
+@pytest.mark.nvcc
+def test_a_strict_miss_for_a_main_variant_says_it_cannot_be_named(tmp_path, monkeypatch):
+    import pickle
+
+    from attnjit import Variant
+
+    local = Variant("local_cap", params={"cap": float}, logits_transform="return cap * tanhf(logit / cap);")
+    spec = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", variant=local)
+    monkeypatch.setenv("ATTNJIT_JIT", "0")
+    with pytest.raises(CacheMissError) as info:
+        jit.ensure(spec, Cache(tmp_path / "cache", layers=()))
+    err, msg = info.value, str(info.value)
+    assert err.command is None and "attnjit warm" not in msg
+    assert "Its variant 'local_cap' was declared in __main__ (or not at module level), so no catalog or --spec can " \
+           "name it" in msg and "attnjit.warm([spec])" in msg
+    # the error pickles (a Variant itself does not yet, so check a plain spec's)
+    plain = CacheMissError(MERGE_FP16, "ab" * 32, [tmp_path], None, bad=((tmp_path, "why"),), hint=err.hint)
+    back = pickle.loads(pickle.dumps(plain))
+    assert type(back) is CacheMissError and str(back) == str(plain) and back.bad == plain.bad

@@ -311,3 +311,38 @@ def test_ncu_source_summary_splits_samples_by_region_and_execution_count(tmp_pat
     assert "800x: 80.0% (2 instr)" in out and "100x: 20.0% (2 instr)" in out
     assert "stall reasons: wait 77.8%, long_sb 22.2%" in out
     assert out.splitlines()[-3].startswith("L 0x01010 60.00% notissued       40 exec        800  HMMA")
+
+
+# --- one clean line for each bad argument -------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,words", [
+    (("warm", "--spec", ""), "--spec: empty spec; expected key=value"),
+    (("warm", "--spec", "   "), "--spec: empty spec; expected key=value"),
+    (("warm", "--spec", "{}"), "--spec: "),
+    (("warm", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "--cache-dir", ""), "an empty --cache-dir"),
+    (("cache", "list", "--cache-dir", ""), "an empty --cache-dir"),
+    (("info", "--cache-dir", ""), "an empty --cache-dir"),
+    (("warm", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "--max-specs", "x"), "--max-specs"),
+    (("cache", "frobnicate"), "invalid choice: 'frobnicate'"),
+])
+def test_a_bad_argument_is_one_error_line(tmp_path, args, words):
+    proc = run_cli(*args, env=dict(os.environ, ATTNJIT_CACHE_DIR=str(tmp_path / "default")))
+    assert proc.returncode in (1, 2)
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnjit: error: ") and words in lines[0], proc.stderr
+    assert not (tmp_path / "default").exists(), "a rejected command touched the default cache"
+
+
+def test_warm_of_an_absurd_catalog_says_the_count(tmp_path):
+    catalog = tmp_path / "huge.toml"
+    catalog.write_text('[[spec]]\nop = "prefill"\nhead_dim = [64, 128, 256]\npage_size = [1, 2, 4, 8, 16, 32, 64, 128]\n'
+                       f'group_size = {list(range(1, 65))}\ndtype = ["fp16", "bf16"]\nmask = ["none", "causal"]\n'
+                       'layout = ["NHD", "HND"]\nkv = ["paged", "paged"]\n'
+                       'arch = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a"]\n')
+    proc = run_cli("warm", catalog, "--cache-dir", tmp_path / "cache", timeout=30)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert "expands to 122,880 specs, more than the 100,000" in line and "--max-specs" in line
+    proc = run_cli("render", catalog, "--max-specs", "10", timeout=30)
+    assert proc.returncode == 1 and "more than the 10 a catalog may hold" in error_lines(proc.stderr)[0]

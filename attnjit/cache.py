@@ -1,14 +1,24 @@
 """Content-addressed store of compiled kernels.
 
-Key = sha256(cache format version, target arch, nvcc flags, ``nvcc --version``, rendered source). An entry is
+Key = sha256(cache format version, target arch, nvcc flags, rendered source). An entry is
 ``<root>/<key[:2]>/<key>/`` holding ``kernel.cubin``, ``kernel.cu``, ``build.log`` and ``manifest.json``.
+
+Toolchain policy: the nvcc version is *not* in the key. Finding, verifying and loading an entry never runs or needs
+nvcc, so a serving host with only the driver serves every warmed kernel. Any verified entry for the same source,
+flags and arch serves a lookup, whichever nvcc built it; the manifest records that toolchain (``toolchain``: path,
+``nvcc --version`` text, release and build id), ``attnjit cache list`` and the dispatch record show it, and
+``attnjit cache prune --built-by ID`` removes the entries of one toolchain (to rebuild them with another). A build
+uses, and records, the local nvcc.
 
 Contracts:
   * Publication is atomic: an entry is built in ``<root>/.tmp/``, its manifest written last, and the directory
     moved into place with one ``os.replace``. A reader sees a whole entry or none; a process killed mid-build
     leaves only a temp directory that the next build removes.
   * One ``filelock`` per key (``<root>/.locks/<key>.lock``): concurrent processes build each key once. The OS
-    releases a dead process's lock. Lookups take no lock.
+    releases a dead process's lock. Lookups take no lock. A build holds the locks of at most ``BATCH`` keys at a
+    time (a warm of 10,000 specs must not run out of file descriptors).
+  * Each kernel is published the moment nvcc finishes it (``build.run_ninja``), so an interrupted warm keeps what
+    finished: ``build`` then raises ``BuildInterrupted`` (a KeyboardInterrupt) carrying every result so far.
   * On lookup the cubin's sha256 is checked against the manifest; a bad entry is reported and treated as a
     miss, and the next build replaces it.
   * Trust (``trust``): only what the current user (or root) owns and nobody else can write is used: the root and
@@ -30,13 +40,12 @@ import re
 import shlex
 import shutil
 import stat
-import subprocess
 import sys
 import time
 import uuid
 import warnings
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -44,13 +53,15 @@ from typing import Any, Callable, Iterable, Sequence
 from filelock import FileLock, Timeout
 
 from . import knobs
-from .errors import CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
-from .toolchain import Nvcc
+from .build import STARTED, Outcome, Target, run_ninja
+from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
+from .toolchain import Nvcc, nvcc
 from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
                     read_file)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2   # 2: the nvcc version left the key and went into the manifest's "toolchain"
 CUBIN, SOURCE, LOG, MANIFEST = "kernel.cubin", "kernel.cu", "build.log", "manifest.json"
+BATCH = 256                # keys whose locks one ninja run holds
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -62,20 +73,13 @@ def default_root() -> Path:
     return knobs.CACHE_DIR.get() or Path.home() / ".cache" / "attnjit"
 
 
-def compute_key(*, source: str, flags: Sequence[str], nvcc_version: str, arch: str) -> str:
+def compute_key(*, source: str, flags: Sequence[str], arch: str) -> str:
+    """Everything that names the binary, and nothing that needs a toolchain to compute (see the policy above)."""
     h = hashlib.sha256()
-    for part in (f"attnjit-cache-format-{CACHE_FORMAT_VERSION}", arch, "\x00".join(flags), nvcc_version, source):
+    for part in (f"attnjit-cache-format-{CACHE_FORMAT_VERSION}", arch, "\x00".join(flags), source):
         data = part.encode("utf-8")
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
-    return h.hexdigest()
-
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
     return h.hexdigest()
 
 
@@ -85,18 +89,24 @@ class Job:
 
     source: str
     flags: tuple[str, ...]
-    nvcc: Nvcc
     arch: str
     label: str                      # readable name for progress lines and errors
     meta: dict[str, Any]            # stored in the manifest (e.g. the canonical spec)
     context: Any = field(default=None, compare=False)
+    nvcc: Nvcc | None = field(default=None, compare=False)  # None: the local nvcc, found only if a build is needed
 
     @property
     def key(self) -> str:
-        return compute_key(source=self.source, flags=self.flags, nvcc_version=self.nvcc.version, arch=self.arch)
+        return compute_key(source=self.source, flags=self.flags, arch=self.arch)
 
 
-def _dir_bytes(d: Path) -> int:
+def toolchain_id(manifest: dict[str, Any]) -> str:
+    """The short name of the toolchain that built an entry, e.g. ``nvcc 13.0 V13.0.88``."""
+    tc = manifest.get("toolchain")
+    return str(tc.get("id", "?")) if isinstance(tc, dict) else "?"
+
+
+def dir_bytes(d: Path) -> int:
     """Bytes of the regular files directly in ``d`` (lstat: never follows a link, never opens a file)."""
     total = 0
     try:
@@ -123,16 +133,57 @@ class Entry:
 
     @property
     def bytes(self) -> int:
-        return _dir_bytes(self.dir)
+        return dir_bytes(self.dir)
+
+    @property
+    def toolchain(self) -> str:
+        return toolchain_id(self.manifest)
 
 
 @dataclass
 class BuildResult:
     job: Job
-    status: str                     # built | cached | failed
+    status: str                     # built | cached | failed | interrupted (not built: the build was stopped)
     entry: Entry | None = None
     seconds: float | None = None    # compile seconds (built)
     error: CompileError | None = None
+
+
+@dataclass(frozen=True)
+class BuildEvent:
+    """What a build reports while it runs (``progress`` callbacks). ``str()`` is the plain one-line form."""
+
+    kind: str                       # plan | start | built | failed | compiling | waiting
+    label: str = ""
+    key: str = ""
+    total: int = 0                  # plan: distinct jobs; start: jobs this ninja run builds
+    cached: int = 0                 # plan: how many were already cached
+    parallel: int = 0               # start
+    seconds: float | None = None    # built / failed
+    error: CompileError | None = None
+    compiling: tuple[str, ...] = () # compiling: labels of the kernels compiling now
+
+    def __str__(self) -> str:
+        if self.kind == "plan":
+            return f"{self.total} kernel(s): {self.cached} cached, {self.total - self.cached} to build"
+        if self.kind == "start":
+            return f"compiling {self.total} kernel module(s) with {self.parallel} parallel nvcc job(s)"
+        if self.kind == "built":
+            return f"  built {self.label} in {self.seconds:.1f} s"
+        if self.kind == "failed":
+            return f"  FAILED {self.label}: {self.error.first_error if self.error else '?'}"
+        if self.kind == "waiting":
+            return f"waiting for another process building {self.label}"
+        return f"  compiling: {', '.join(self.compiling)}"
+
+
+class BuildInterrupted(KeyboardInterrupt):
+    """A build stopped by SIGINT (or SIGTERM, turned into this by the CLI). ``.results``: one per job, in order;
+    kernels that finished before the signal are published and ``built``, the rest ``interrupted``."""
+
+    def __init__(self, results: list[BuildResult]):
+        super().__init__("build interrupted")
+        self.results = results
 
 
 @dataclass(frozen=True)
@@ -147,25 +198,6 @@ def _first_error_line(log: str) -> str:
             return line.strip()
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     return lines[-1] if lines else "nvcc failed without output"
-
-
-def _ninja_binary() -> str:
-    try:
-        import ninja  # type: ignore
-
-        cand = Path(ninja.BIN_DIR) / "ninja"
-        if cand.is_file():
-            return str(cand)
-    except ImportError:
-        pass
-    found = shutil.which("ninja")
-    if not found:
-        raise FileNotFoundError("ninja not found: pip install ninja")
-    return found
-
-
-def _ninja_escape(text: str) -> str:
-    return text.replace("$", "$$").replace("\n", "$\n")
 
 
 def _fsync(path: Path) -> None:
@@ -360,158 +392,148 @@ class Cache:
             shutil.rmtree(d, ignore_errors=True)
 
     def build(self, jobs: Sequence[Job], *, parallel: int | None = None,
-              progress: Callable[[str], None] | None = None) -> list[BuildResult]:
+              progress: Callable[[BuildEvent], None] | None = None) -> list[BuildResult]:
         """Make sure every job has a valid entry: reuse what exists, build the rest (in parallel, via ninja).
 
         Returns one result per job, in order. Failures are results (status ``failed`` with ``error``), not
-        exceptions, so one bad spec does not stop a pre-warm of many.
+        exceptions, so one bad spec does not stop a pre-warm of many. The local nvcc is looked up only when
+        something must be built (``NvccNotFoundError`` then). SIGINT raises ``BuildInterrupted`` with the results
+        so far, after stopping every compiler and publishing what finished.
         """
-        say = progress or (lambda _msg: None)
+        say = progress or (lambda _event: None)
+        jobs_n = parallel if parallel is not None else (knobs.JOBS.get() or os.cpu_count() or 1)
+        if jobs_n < 1:
+            raise ValueError(f"parallel nvcc jobs must be >= 1, got {jobs_n}")
         by_key: dict[str, BuildResult] = {}
-        order = []
-        for job in jobs:
-            key = job.key
-            order.append(key)
-            if key in by_key:
-                continue
-            entry = self.lookup(key)
-            by_key[key] = BuildResult(job, "cached", entry) if entry else BuildResult(job, "pending")
-        pending = [r.job for r in by_key.values() if r.status == "pending"]
-        if pending:
-            self._ensure_root()
-            self._clean_stale_builds()
+        order = [job.key for job in jobs]
+        try:
+            for job, key in zip(jobs, order):
+                if key not in by_key:
+                    entry = self.lookup(key)
+                    by_key[key] = BuildResult(job, "cached", entry) if entry else BuildResult(job, "pending")
+            pending = [r.job for r in by_key.values() if r.status == "pending"]
+            say(BuildEvent("plan", total=len(by_key), cached=len(by_key) - len(pending)))
+            if pending:
+                local = None if all(j.nvcc for j in pending) else nvcc()  # NvccNotFoundError: nothing can build
+                pending = [j if j.nvcc else replace(j, nvcc=local) for j in pending]
+                self._ensure_root()
+                self._clean_stale_builds()
+                self._build_pending(pending, by_key, jobs_n, say)
+        except KeyboardInterrupt:
+            results = []
+            for key in order:
+                r = by_key.get(key)
+                results.append(r if r is not None and r.status != "pending" else
+                               BuildResult(r.job if r else jobs[order.index(key)], "interrupted"))
+            raise BuildInterrupted(results) from None
+        return [by_key[k] for k in order]
+
+    def _build_pending(self, pending: list[Job], by_key: dict[str, BuildResult], parallel: int,
+                       say: Callable[[BuildEvent], None]) -> None:
         timeout = knobs.LOCK_TIMEOUT.get()
-        while pending:
+        waiting: list[Job] = []   # locked by another process: wait once ours are built
+        while pending or waiting:
+            if not pending:
+                for job in waiting:
+                    say(BuildEvent("waiting", job.label, job.key))
+                    lock = self._lock(job.key)
+                    try:
+                        lock.acquire(timeout=timeout)
+                    except Timeout:
+                        raise LockTimeoutError(Path(lock.lock_file), timeout) from None
+                    try:
+                        entry = self.lookup(job.key)
+                    finally:
+                        lock.release()
+                    if entry is not None:
+                        by_key[job.key] = BuildResult(job, "cached", entry)
+                    else:
+                        pending.append(job)  # the other process failed or died: build it ourselves
+                waiting = []
+                continue
             mine: list[tuple[Job, FileLock]] = []
-            theirs: list[Job] = []
-            for job in pending:
-                lock = self._lock(job.key)
-                try:
-                    lock.acquire(timeout=0)
-                except Timeout:
-                    theirs.append(job)
-                    continue
-                entry = self.lookup(job.key)  # built by someone else since we looked
-                if entry is not None:
-                    lock.release()
-                    by_key[job.key] = BuildResult(job, "cached", entry)
-                else:
-                    mine.append((job, lock))
             try:
+                while pending and len(mine) < BATCH:
+                    job = pending.pop(0)
+                    lock = self._lock(job.key)
+                    try:
+                        lock.acquire(timeout=0)
+                    except Timeout:
+                        waiting.append(job)
+                        continue
+                    entry = self.lookup(job.key)  # built by someone else since we looked
+                    if entry is not None:
+                        lock.release()
+                        by_key[job.key] = BuildResult(job, "cached", entry)
+                    else:
+                        mine.append((job, lock))
                 if mine:
-                    for result in self._build_locked([j for j, _ in mine], parallel, say):
-                        by_key[result.job.key] = result
+                    self._build_locked([j for j, _ in mine], by_key, parallel, say)
             finally:
                 for _, lock in mine:
                     lock.release()
-            pending = []
-            for job in theirs:
-                say(f"waiting for another process building {job.label}")
-                lock = self._lock(job.key)
-                try:
-                    lock.acquire(timeout=timeout)
-                except Timeout:
-                    raise LockTimeoutError(Path(lock.lock_file), timeout) from None
-                try:
-                    entry = self.lookup(job.key)
-                finally:
-                    lock.release()
-                if entry is not None:
-                    by_key[job.key] = BuildResult(job, "cached", entry)
-                else:
-                    pending.append(job)  # the other process failed or died: build it ourselves
-        return [by_key[k] for k in order]
 
-    def _build_locked(self, jobs: list[Job], parallel: int | None, say: Callable[[str], None]) -> list[BuildResult]:
-        """Build jobs whose key locks we hold, through one ninja run, and publish each success atomically."""
+    def _build_locked(self, jobs: list[Job], by_key: dict[str, BuildResult], parallel: int,
+                      say: Callable[[BuildEvent], None]) -> None:
+        """Build jobs whose key locks we hold, through one ninja run, publishing each success as it finishes."""
         # Take the temp dir's lock before the dir exists: another process's _clean_stale_builds removes any
         # build-* dir whose lock is free, so a dir created before its lock could vanish under us.
         bdir = self.root / ".tmp" / f"build-{uuid.uuid4().hex[:16]}"
         blk = FileLock(str(bdir) + ".lock")
         blk.acquire()
         try:
-            bdir.mkdir(mode=0o700)
-            return self._run_ninja(bdir, jobs, parallel, say)
+            try:
+                bdir.mkdir(mode=0o700)
+            except OSError as exc:
+                raise BuildSetupError(bdir, exc.strerror or str(exc)) from None
+            by_target = {j.key: j for j in jobs}
+            targets = [Target(j.key, j.source, j.nvcc.path, j.flags, j.label) for j in jobs if j.nvcc]
+
+            def finished(out: Outcome) -> None:
+                job = by_target[out.key]
+                d = bdir / job.key
+                if out.ok:
+                    entry = self._publish(job, d, out.seconds)
+                    by_key[job.key] = BuildResult(job, "built", entry, out.seconds)
+                    say(BuildEvent("built", job.label, job.key, seconds=out.seconds))
+                    return
+                failed = self.root / "failed" / job.key
+                shutil.rmtree(failed, ignore_errors=True)
+                os.replace(d, failed)
+                error = CompileError(job.context, job.label, _first_error_line(out.log), failed / out.log_name,
+                                     out.log)
+                by_key[job.key] = BuildResult(job, "failed", None, out.seconds, error)
+                say(BuildEvent("failed", job.label, job.key, seconds=out.seconds, error=error))
+
+            say(BuildEvent("start", total=len(targets), parallel=parallel))
+            run_ninja(bdir, targets, parallel, on_finished=finished,
+                      on_compiling=lambda labels: say(BuildEvent("compiling", compiling=tuple(labels))))
         finally:
             shutil.rmtree(bdir, ignore_errors=True)
             blk.release()
             Path(str(bdir) + ".lock").unlink(missing_ok=True)
 
-    def _run_ninja(self, bdir: Path, jobs: list[Job], parallel: int | None,
-                   say: Callable[[str], None]) -> list[BuildResult]:
-        lines = ["ninja_required_version = 1.3", "", "rule nvcc",
-                 "  command = $nvcc $flags -o $out.part $in > $log 2>&1 && mv -f $out.part $out",
-                 "  description = $label", ""]
-        for job in jobs:
-            d = bdir / job.key
-            d.mkdir()
-            (d / SOURCE).write_text(job.source, encoding="utf-8")
-            lines += [f"build {job.key}/{CUBIN}: nvcc {job.key}/{SOURCE}",
-                      f"  nvcc = {_ninja_escape(shlex.quote(str(job.nvcc.path)))}",
-                      f"  flags = {_ninja_escape(' '.join(shlex.quote(f) for f in job.flags))}",
-                      f"  log = {job.key}/{LOG}",
-                      f"  label = {_ninja_escape(job.label)}", ""]
-        (bdir / "build.ninja").write_text("\n".join(lines), encoding="utf-8")
-        jobs_n = parallel or knobs.JOBS.get() or os.cpu_count() or 1
-        env = dict(os.environ, NINJA_STATUS="[%f/%t done, %es] ")
-        say(f"compiling {len(jobs)} kernel module(s) with {jobs_n} parallel nvcc job(s)")
-        t0 = time.monotonic()
-        proc = subprocess.Popen([_ninja_binary(), "-k", "0", "-j", str(jobs_n)], cwd=bdir, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            line = line.rstrip()
-            if line.startswith("["):
-                say(f"  {line}")
-        proc.wait()
-        wall = time.monotonic() - t0
-        durations = self._ninja_durations(bdir)
-        results = []
-        for job in jobs:
-            d = bdir / job.key
-            cubin = d / CUBIN
-            log_text = (d / LOG).read_text(encoding="utf-8", errors="replace") if (d / LOG).exists() else ""
-            seconds = durations.get(f"{job.key}/{CUBIN}", wall)
-            if cubin.is_file() and cubin.stat().st_size > 0:
-                entry = self._publish(job, d, seconds)
-                say(f"  built {job.label} in {seconds:.1f} s")
-                results.append(BuildResult(job, "built", entry, seconds))
-            else:
-                failed = self.root / "failed" / job.key
-                shutil.rmtree(failed, ignore_errors=True)
-                os.replace(d, failed)
-                error = CompileError(job.context, job.label, _first_error_line(log_text), failed / LOG, log_text)
-                say(f"  FAILED {job.label}: {error.first_error}")
-                results.append(BuildResult(job, "failed", None, seconds, error))
-        return results
-
-    @staticmethod
-    def _ninja_durations(bdir: Path) -> dict[str, float]:
-        out: dict[str, float] = {}
-        log = bdir / ".ninja_log"
-        if log.exists():
-            for line in log.read_text().splitlines():
-                parts = line.split("\t")
-                if len(parts) >= 4 and not line.startswith("#"):
-                    out[parts[3]] = (int(parts[1]) - int(parts[0])) / 1000.0
-        return out
-
     def _publish(self, job: Job, d: Path, seconds: float) -> Entry:
+        assert job.nvcc is not None
         cubin = d / CUBIN
+        image = cubin.read_bytes()  # our own private file, just written
+        tool = job.nvcc
         manifest = {
             "format": CACHE_FORMAT_VERSION,
             "key": job.key,
             "label": job.label,
             "meta": job.meta,
-            "key_inputs": {"arch": job.arch, "flags": list(job.flags), "nvcc_version": job.nvcc.version,
+            "key_inputs": {"arch": job.arch, "flags": list(job.flags),
                            "source_sha256": hashlib.sha256(job.source.encode("utf-8")).hexdigest()},
-            "nvcc_path": str(job.nvcc.path),
-            "cubin_sha256": _sha256_file(cubin),
-            "cubin_bytes": cubin.stat().st_size,
+            "toolchain": {"id": tool.ident, "release": tool.release, "version": tool.version,
+                          "nvcc": str(tool.path)},
+            "cubin_sha256": hashlib.sha256(image).hexdigest(),
+            "cubin_bytes": len(image),
             "compile_seconds": round(seconds, 3),
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
         }
+        (d / STARTED).unlink(missing_ok=True)  # the marker was for progress only
         _fsync(cubin)
         tmp_manifest = d / (MANIFEST + ".part")
         tmp_manifest.write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
@@ -520,23 +542,22 @@ class Cache:
         for p in d.iterdir():
             os.chmod(p, 0o600)
         os.chmod(d, 0o700)
-        image = cubin.read_bytes()  # our own private file, just written
         shard = self.root / job.key[:2]
         try:
             st = shard.lstat()
             if not stat.S_ISDIR(st.st_mode) or ownership_problem(st, "shard"):
-                self._discard(shard)  # a link, a file or a foreign directory: never publish through it
+                self.discard(shard)  # a link, a file or a foreign directory: never publish through it
         except FileNotFoundError:
             pass
         shard.mkdir(mode=0o700, exist_ok=True)
         dest = shard / job.key
         if os.path.lexists(dest):  # a bad entry (we hold the key's lock, and lookup rejected it)
-            self._discard(dest)
+            self.discard(dest)
         os.replace(d, dest)
         _fsync(shard)
         return Entry(key=job.key, dir=dest, layer=self.root, manifest=manifest, image=image)
 
-    def _discard(self, path: Path) -> None:
+    def discard(self, path: Path) -> None:
         """Move a root entry (or a bad shard) into .trash, where it is removed; works on unreadable entries too."""
         if path.is_dir() and not path.is_symlink():
             try:  # moving a directory updates its "..": it must be writable
@@ -547,57 +568,27 @@ class Cache:
         trash.mkdir(mode=0o700, exist_ok=True)
         os.replace(path, trash / f"{path.name}-{uuid.uuid4().hex[:8]}")
 
-    # --- maintenance ----------------------------------------------------------------------------------------
+    # --- maintenance (policy in ``maintenance``) ---------------------------------------------------------
 
     def verify(self) -> list[tuple[Path, str]]:
         """(entry dir, problem) for every bad entry in the root and the layers."""
         return [(self.row_dir(base, key), problem) for base, key, entry, problem in self.iter_entries()
                 if entry is None]
 
-    def clear(self) -> int:
-        """Remove every entry of the root (never the layers). Returns how many."""
-        if not self.root.is_dir():
-            return 0
-        if not self.root_writable():
-            raise CacheReadOnlyError(f"cache root {self.root} is read-only; nothing was removed")
-        n = 0
-        (self.root / ".trash").mkdir(mode=0o700, exist_ok=True)
-        for base, key, _entry, _problem in list(self.iter_entries([self.root])):
-            self._discard(self.row_dir(base, key))
-            n += 1
-        shutil.rmtree(self.root / ".trash", ignore_errors=True)
-        shutil.rmtree(self.root / "failed", ignore_errors=True)
-        return n
+    def clear(self, *, dry_run: bool = False) -> int:
+        """Remove every entry of the root (never the layers). Returns how many (would be) removed."""
+        from .maintenance import clear
 
-    def prune(self, max_bytes: int) -> tuple[int, int]:
-        """Remove least recently used root entries until the root's entries total at most max_bytes.
+        return len(clear(self, dry_run=dry_run))
 
-        Returns (entries removed, bytes remaining). Bad entries go first.
-        """
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        items = []
-        for base, key, entry, _problem in self.iter_entries([self.root]):
-            d = self.row_dir(base, key)
-            size = _dir_bytes(d)
-            try:  # last use = the cubin's mtime, which touch() sets on every load (reading it for the
-                used = (d / CUBIN).lstat().st_mtime  # sha256 check moves only the atime)
-            except OSError:
-                used = 0.0
-            items.append((entry is not None, used, size, d, key))
-        total = sum(i[2] for i in items)
-        items.sort(key=lambda i: (i[0], i[1]))  # bad entries first, then oldest use
-        removed = 0
-        if total > max_bytes and not self.root_writable():
-            raise CacheReadOnlyError(f"cache root {self.root} is read-only; nothing was pruned")
-        for _valid, _used, size, d, key in items:
-            if total <= max_bytes:
-                break
-            self._discard(d)
-            total -= size
-            removed += 1
-        shutil.rmtree(self.root / ".trash", ignore_errors=True)
-        return removed, total
+    def prune(self, max_bytes: int | None = None, *, built_by: str | None = None,
+              dry_run: bool = False) -> tuple[int, int]:
+        """Remove root entries: those built by toolchain ``built_by``, then least recently used ones until the rest
+        total at most ``max_bytes``. Returns (entries removed, bytes remaining)."""
+        from .maintenance import prune
+
+        removed, remaining = prune(self, max_bytes, built_by=built_by, dry_run=dry_run)
+        return len(removed), remaining
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -605,7 +596,7 @@ class Cache:
             count = size = 0
             for b, key, entry, _problem in self.iter_entries([base]):
                 count += 1
-                size += _dir_bytes(self.row_dir(b, key))
+                size += dir_bytes(self.row_dir(b, key))
             out[str(base)] = {"entries": count, "bytes": size, "exists": base.is_dir()}
         return out
 

@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import knobs
-from .cache import Cache
+from .cache import Cache, dir_bytes
 from .errors import AttnjitError, CatalogError
 from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog
 
@@ -53,6 +53,15 @@ def _specs(args) -> list[AttentionSpec]:
     return list(specs)
 
 
+def _size(text: str) -> int:
+    from .maintenance import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _cache_dir(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty --cache-dir names no directory; leave the option out for "
@@ -79,19 +88,26 @@ def cmd_warm(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    from .maintenance import clear, format_size, prune
+
     cache = _cache(args)
     if args.action == "list":
-        rows = 0
+        rows, total, bad = [], 0, 0
         for base, key, entry, problem in cache.iter_entries():
             where = "root" if base == cache.root else f"layer {base}"
+            size = dir_bytes(cache.row_dir(base, key))
+            total += size
             if entry is None:
-                print(f"{key[:16]}  BAD ({problem})  {where}")
+                bad += 1
+                rows.append((where != "root", "", key, f"{key[:16]}  BAD ({problem})  {where}"))
             else:
                 m = entry.manifest
-                print(f"{key[:16]}  {m.get('label', '?'):<56} {entry.bytes / 1024:8.1f} KiB  "
-                      f"{m.get('compile_seconds', 0):6.1f} s  {m.get('created', '?')}  {where}")
-            rows += 1
-        print(f"{rows} entries")
+                rows.append((where != "root", m.get("label", "?"), key,
+                             f"{key[:16]}  {m.get('label', '?'):<52} {size / 1024:8.1f} KiB  {entry.toolchain:<20} "
+                             f"{m.get('compile_seconds', 0):6.1f} s  {m.get('created', '?')}  {where}"))
+        for *_, line in sorted(rows, key=lambda r: r[:3]):  # the root first, then by label
+            print(line)
+        print(f"{len(rows)} entries, {format_size(total)}" + (f", {bad} bad" if bad else ""))
         return 0
     if args.action == "verify":
         total = bad = 0
@@ -99,19 +115,24 @@ def cmd_cache(args) -> int:
             total += 1
             if entry is None:
                 bad += 1
-                print(f"BAD {cache.entry_dir(base, key)}: {problem}")
+                print(f"BAD {cache.row_dir(base, key)}: {problem}")
         print(f"{total} entries checked, {bad} bad")
         return 1 if bad else 0
+    verb = "would remove" if args.dry_run else "removed"
     if args.action == "clear":
-        n = cache.clear()
-        print(f"removed {n} entries from {cache.root}")
+        items = clear(cache, dry_run=args.dry_run)
+        for item in items if args.dry_run else ():
+            print(f"{verb} {item.dir}")
+        print(f"{verb} {len(items)} entries from {cache.root}")
         return 0
     if args.action == "prune":
-        if args.max_bytes is None:
-            _err("cache prune needs --max-bytes N")
+        if args.max_bytes is None and args.built_by is None:
+            _err("cache prune needs --max-bytes SIZE (e.g. 500M) or --built-by TOOLCHAIN (see attnjit cache list)")
             return 2
-        removed, remaining = cache.prune(args.max_bytes)
-        print(f"removed {removed} entries; {remaining} bytes remain in {cache.root}")
+        removed, remaining = prune(cache, args.max_bytes, built_by=args.built_by, dry_run=args.dry_run)
+        for item in removed if args.dry_run else ():
+            print(f"{verb} {item.dir}")
+        print(f"{verb} {len(removed)} entries; {remaining} bytes ({format_size(remaining)}) remain in {cache.root}")
         return 0
     raise AssertionError(args.action)
 
@@ -222,7 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("cache", help="list, verify, clear or prune the cache")
     p.add_argument("action", choices=["list", "verify", "clear", "prune"])
-    p.add_argument("--max-bytes", type=int, help="prune: keep at most this many bytes of entries")
+    p.add_argument("--max-bytes", type=_size, help="prune: keep at most this much (bytes, or 500M, 2G: binary units)")
+    p.add_argument("--built-by", metavar="TOOLCHAIN",
+                   help="prune: remove the entries this toolchain built (an id from cache list: 'nvcc 13.0 V13.0.88', "
+                        "V13.0.88 or 13.0)")
+    p.add_argument("--dry-run", action="store_true", help="clear/prune: list what would be removed, remove nothing")
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_cache)
 

@@ -6,8 +6,8 @@ verified; run() only calls a prepared
 current stream. Nothing is compiled, loaded or allocated there, so a run() can be captured in a CUDA graph.
 
 Every dispatch is recorded: op, canonical spec, cache key, kernel, where the binary came from (``memory``, or
-``disk``/``built`` for the first launch after loading, with compile ms), grid, block and the plan's decisions
-(split-KV). ``ATTNJIT_LOG=path.jsonl`` streams records; ``with attnjit.recording() as rec:`` collects them.
+``disk``/``built`` for the first launch after loading, with compile ms), grid, block, the plan's decisions
+(split-KV) and the toolchain that built the cubin. ``ATTNJIT_LOG=path.jsonl`` streams records; ``with attnjit.recording() as rec:`` collects them.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class DispatchRecord:
     smem: int
     plan: dict[str, Any] | None  # the plan's decisions (tile, split-KV, work items)
     time: float = field(default_factory=time.time)
+    built_by: str | None = None  # the toolchain that built the cubin (its manifest's), e.g. "nvcc 13.0 V13.0.88"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -234,7 +235,8 @@ class Launch:
         if _recorders or _log_file() is not None:
             _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
                                  binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,
-                                 block=tuple(self.block), smem=self.smem, plan=self.plan))
+                                 block=tuple(self.block), smem=self.smem, plan=self.plan,
+                                 built_by=module.binary.entry.toolchain))
 
 
 _modules: dict[tuple[AttentionSpec, int], Module] = {}

@@ -103,6 +103,18 @@ class UnsafeCacheError(CacheError):
     pass
 
 
+class BuildSetupError(CacheError):
+    """The build directory could not be prepared (a full disk, no inodes, a read-only file system)."""
+
+    def __init__(self, path: Path, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"cannot write the build files in {path}: {reason}; free space or inodes there, or point "
+                         "ATTNJIT_CACHE_DIR (or --cache-dir) at another file system")
+
+    def __reduce__(self):
+        return BuildSetupError, (self.path, self.reason)
+
+
 class LockTimeoutError(CacheError):
     def __reduce__(self):
         return LockTimeoutError, (self.lock_path, self.timeout)

@@ -1,7 +1,8 @@
 """The JIT path from a spec to a binary in the cache: render, key, look up, build on a miss.
 
 ``ensure`` serves the runtime (one spec, honouring strict mode); ``warm`` serves pre-warming (many specs, built in
-parallel, failures reported per spec).
+parallel, failures reported per spec). Render, key and lookup never run nvcc: a host without the toolkit serves
+every warmed kernel, and a miss there is a ``CacheMissError`` that says nvcc is missing.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from typing import Callable, Sequence
 
 from . import knobs
 from .cache import BuildResult, Cache, Entry, Job
-from .errors import CacheMissError, CompileError
+from .errors import CacheMissError, CompileError, NvccNotFoundError
 from .generator import render
 from .specs import AttentionSpec
-from .toolchain import flags_for, nvcc
+from .toolchain import flags_for
 from .variants import HOOK_VARIABLES
 
 _SNIPPET_ERROR = re.compile(r'variant (\w+): (\w+)\((\d+)\): error: (.*)')
@@ -45,9 +46,10 @@ def explain(error: CompileError) -> CompileError:
 
 
 def job_for(spec: AttentionSpec) -> Job:
+    """The spec's build job. Its key needs no toolchain: rendering and hashing never run nvcc."""
     rendered = render(spec)
-    return Job(source=rendered.source, flags=flags_for(spec.arch), nvcc=nvcc(), arch=spec.arch,
-               label=spec.short_name(), meta={"spec": spec.to_dict()}, context=spec)
+    return Job(source=rendered.source, flags=flags_for(spec.arch), arch=spec.arch, label=spec.short_name(),
+               meta={"spec": spec.to_dict()}, context=spec)
 
 
 def warm_command(spec: AttentionSpec, cache: Cache) -> str | None:
@@ -92,7 +94,10 @@ def ensure(spec: AttentionSpec, cache: Cache | None = None) -> Binary:
         return Binary(spec, entry, "disk", None, (time.perf_counter() - t0) * 1e3)
     if not knobs.JIT.get():
         raise cache_miss(spec, job.key, cache)
-    (result,) = cache.build([job])
+    try:
+        (result,) = cache.build([job])
+    except NvccNotFoundError as exc:
+        raise cache_miss(spec, job.key, cache, reason="no-nvcc", nvcc_tried=tuple(exc.tried)) from None
     if result.status == "failed":
         assert result.error is not None
         raise explain(result.error)

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
@@ -62,6 +64,16 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _jobs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of parallel nvcc jobs, got {text!r}")
+    return n
+
+
 def _cache_dir(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty --cache-dir names no directory; leave the option out for "
@@ -69,22 +81,66 @@ def _cache_dir(text: str) -> str:
     return text
 
 
-def cmd_warm(args) -> int:
+@contextmanager
+def _interruptible(caught: dict[str, str]):
+    """SIGTERM behaves as SIGINT (a KeyboardInterrupt, so builds stop their compilers and keep what finished);
+    ``caught["signal"]`` names the one that arrived."""
+    def handler(signum, _frame):
+        caught["signal"] = signal.Signals(signum).name
+        raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+_SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def run_build(args, specs: list[AttentionSpec], cache: Cache) -> tuple[list, str | None, float]:
+    """Warm ``specs`` with the progress the flags ask for: (results, the signal that interrupted it or None, s)."""
+    from .cache import BuildInterrupted
     from .jit import warm
+    from .progress import reporter
+
+    rep = reporter(quiet=args.quiet, as_json=args.json)
+    caught: dict[str, str] = {}
+    t0 = time.monotonic()
+    rep.begin(len(specs), cache.root)
+    try:
+        with _interruptible(caught):
+            try:
+                results, stopped = warm(specs, cache, parallel=args.jobs, progress=rep.event), None
+            except BuildInterrupted as exc:
+                results, stopped = exc.results, caught.get("signal", "SIGINT")
+    finally:
+        rep.close()
+    if not args.json:
+        for r in results:
+            if r.status == "failed" and r.error is not None:
+                _err(f"{r.job.label}: {r.error.first_error} (log: {r.error.log_path})")
+    return results, stopped, time.monotonic() - t0
+
+
+def cmd_warm(args) -> int:
+    from .progress import counts, summary_line
 
     specs = _specs(args)
-    t0 = time.monotonic()
-    _progress(f"warming {len(specs)} spec(s) into {_cache(args).root}")
-    results = warm(specs, _cache(args), parallel=args.jobs, progress=_progress)
-    counts = {"built": 0, "cached": 0, "failed": 0}
-    for r in results:
-        counts[r.status] += 1
-    for r in results:
-        if r.status == "failed" and r.error is not None:
-            _err(f"{r.job.label}: {r.error.first_error} (log: {r.error.log_path})")
-    print(f"{len(specs)} specs: {counts['built']} built, {counts['cached']} cached, {counts['failed']} failed "
-          f"({time.monotonic() - t0:.1f} s)")
-    return 1 if counts["failed"] else 0
+    results, stopped, seconds = run_build(args, specs, _cache(args))
+    if args.json:
+        print(json.dumps({"event": "summary", "specs": len(specs), **counts(results), "seconds": round(seconds, 1),
+                          "interrupted": stopped,
+                          "failures": [{"label": r.job.label, "error": r.error.first_error, "log": str(r.error.log_path)}
+                                       for r in results if r.status == "failed" and r.error is not None]},
+                         separators=(",", ":")))
+    else:
+        print(summary_line(len(specs), results, seconds, stopped), flush=True)
+    if stopped:
+        return _SIGNAL_EXIT.get(stopped, 130)
+    return 1 if counts(results)["failed"] else 0
 
 
 def cmd_cache(args) -> int:
@@ -137,26 +193,24 @@ def cmd_cache(args) -> int:
     raise AssertionError(args.action)
 
 
-def cmd_info(args) -> int:
+def _info(args) -> dict:
+    from . import __version__
     from .toolchain import nvcc
 
-    def version(pkg: str) -> str:
+    def version(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)
         except metadata.PackageNotFoundError:
-            return "not installed"
+            return None
 
-    from . import __version__
-
-    print(f"attnjit {__version__}  python {sys.version.split()[0]}")
-    for pkg in ("torch", "cupy-cuda13x", "jinja2", "ninja", "filelock"):
-        print(f"  {pkg:<14} {version(pkg)}")
+    info: dict = {"attnjit": __version__, "python": sys.version.split()[0],
+                  "packages": {p: version(p) for p in ("torch", "cupy-cuda13x", "jinja2", "ninja", "filelock", "rich")}}
     try:
         tc = nvcc()
-        print(f"nvcc: {tc.path} (release {tc.release})")
-        print("  " + tc.version.splitlines()[-1] if tc.version else "")
+        info["nvcc"] = {"path": str(tc.path), "release": tc.release, "id": tc.ident,
+                        "version": tc.version.splitlines()[-1] if tc.version else ""}
     except AttnjitError as exc:
-        print(f"nvcc: not found ({exc})")
+        info["nvcc"] = {"error": str(exc)}
     arch = knobs.ARCH.get()
     gpu = "none"
     try:
@@ -169,14 +223,43 @@ def cmd_info(args) -> int:
             arch = arch or device_arch(0)
     except Exception as exc:  # noqa: BLE001 (info reports what it can)
         gpu = f"unavailable ({type(exc).__name__})"
-    print(f"gpu: {gpu}")
-    print(f"default arch: {arch or DEFAULT_ARCH}")
+    info["gpu"] = gpu
+    info["default_arch"] = arch or DEFAULT_ARCH
     cache = _cache(args)
-    print(f"cache root: {cache.root} ({'writable' if cache.root_writable() else 'read-only'})")
-    print(f"cache layers: {', '.join(map(str, cache.layers)) or '(none; set ATTNJIT_CACHE_PATH)'}")
-    for base, st in cache.stats().items():
+    info["cache"] = {"root": str(cache.root), "writable": cache.root_writable(),
+                     "layers": [str(p) for p in cache.layers], "stats": cache.stats()}
+    info["strict"] = not knobs.JIT.get()
+    info["settings"] = [k.describe() for k in knobs.ALL]
+    return info
+
+
+def cmd_info(args) -> int:
+    info = _info(args)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"attnjit {info['attnjit']}  python {info['python']}")
+    for pkg, ver in info["packages"].items():
+        print(f"  {pkg:<14} {ver or 'not installed'}")
+    tc = info["nvcc"]
+    if "error" in tc:
+        print(f"nvcc: not found ({tc['error']})")
+    else:
+        print(f"nvcc: {tc['path']} (release {tc['release']})")
+        print(f"  {tc['version']}")
+    print(f"gpu: {info['gpu']}")
+    print(f"default arch: {info['default_arch']}")
+    c = info["cache"]
+    print(f"cache root: {c['root']} ({'writable' if c['writable'] else 'read-only'})")
+    print(f"cache layers: {', '.join(c['layers']) or '(none; set ATTNJIT_CACHE_PATH)'}")
+    for base, st in c["stats"].items():
         print(f"  {base}: {st['entries']} entries, {st['bytes'] / 1024:.1f} KiB" + ("" if st["exists"] else " (absent)"))
-    print(f"strict mode (ATTNJIT_JIT=0): {'on' if not knobs.JIT.get() else 'off'}")
+    print(f"strict mode (ATTNJIT_JIT=0): {'on' if info['strict'] else 'off'}")
+    print("settings (value, where it comes from):")
+    for k in info["settings"]:
+        value = k["value"] if "error" not in k else f"INVALID ({k['error']})"
+        shown = "unset" if value is None or value == [] else value
+        print(f"  {k['name']:<22} {str(shown):<28} {k['source']:<8} {k['meaning']}")
     return 0
 
 
@@ -225,8 +308,17 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="attnjit", description="JIT attention kernels: pre-warm, inspect, render.")
+    from . import __version__
+
+    parser = _Parser(prog="attnjit", description="JIT attention kernels: pre-warm, inspect, render, package.")
+    parser.add_argument("--version", action="version", version=f"attnjit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def build_args(p):
+        p.add_argument("--jobs", "-j", type=_jobs, help="parallel nvcc jobs, >= 1 (default: ATTNJIT_JOBS or CPU count)")
+        shown = p.add_mutually_exclusive_group()
+        shown.add_argument("--quiet", "-q", action="store_true", help="print only errors and the summary line")
+        shown.add_argument("--json", action="store_true", help="one JSON object per line on stdout, for machines")
 
     def spec_args(p):
         p.add_argument("catalogs", nargs="*", help="spec catalog TOML files")
@@ -237,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("warm", help="compile every spec of the catalogs into the cache")
     spec_args(p)
-    p.add_argument("--jobs", "-j", type=int, help="parallel nvcc jobs (default: CPU count)")
+    build_args(p)
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root (default ATTNJIT_CACHE_DIR or ~/.cache/attnjit)")
     p.set_defaults(fn=cmd_warm)
 
@@ -251,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_cache)
 
-    p = sub.add_parser("info", help="versions, nvcc, arch, cache root and layers")
+    p = sub.add_parser("info", help="versions, nvcc, arch, cache root and layers, every setting and its source")
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
+    p.add_argument("--json", action="store_true", help="the same as one JSON object")
     p.set_defaults(fn=cmd_info)
 
     p = sub.add_parser("render", help="print the CUDA source of each spec")
@@ -280,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     except (AttnjitError, CatalogError, SpecError) as exc:
         _err(str(exc).splitlines()[0])
         return 1
+    except KeyboardInterrupt:
+        _err("interrupted")
+        return 130
     except (ValueError, OSError) as exc:
         _err(f"{type(exc).__name__}: {exc}")
         return 1

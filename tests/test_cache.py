@@ -28,8 +28,8 @@ from attnjit.errors import (CacheMissError, CacheReadOnlyError, CompileError, Lo
 from attnjit.generator import Rendered
 from attnjit.specs import AttentionSpec
 from attnjit.toolchain import Nvcc, find_nvcc, flags_for, nvcc
-from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, nvcc_wrapper,
-                               parse_summary, run_cli, snapshot, write_script)
+from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, kill_tagged,
+                               nvcc_wrapper, parse_summary, run_cli, snapshot, write_script)
 
 KEY_INPUTS = dict(source='extern "C" __global__ void k(int *p) { *p = 1; }\n', flags=("-cubin", "-O3"), arch="sm_90a")
 TINY_SOURCE = 'extern "C" __global__ void attnjit_tiny(int *p) { *p = 42; }\n'
@@ -330,7 +330,8 @@ def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
     slow = nvcc_wrapper(tmp_path / "slow-nvcc", find_nvcc(), before_compile=f': > "{started}"\nsleep 60\n')
     spec = MERGE_FP16
     key = jit.job_for(spec).key
-    env = dict(os.environ, ATTNJIT_NVCC=str(slow))
+    tag = f"killed-build-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, ATTNJIT_NVCC=str(slow), ATTNJIT_TEST_TAG=tag)
     cmd = [sys.executable, "-m", "attnjit.cli", "warm", "--spec", spec.as_flags(), "--cache-dir", str(root)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -344,10 +345,7 @@ def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)  # the builder dies mid-compile
         proc.wait(timeout=30)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # and its ninja/nvcc children with it (our own session)
-        except ProcessLookupError:
-            pass
+        kill_tagged(tag)  # and its ninja/nvcc children with it (each in a process group of its own)
     assert not entry_dir(root, key).exists(), "a killed build published an entry"
     with warnings.catch_warnings():
         warnings.simplefilter("error", BadEntryWarning)

@@ -30,26 +30,37 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def find_catalog(name: str) -> Path:
+    """A catalog file path, or the name of a catalog shipped in the package (``default``)."""
+    return Path(name)
+
+
 def _cache(args) -> Cache:
     return Cache(args.cache_dir) if getattr(args, "cache_dir", None) else Cache()
 
 
 def _specs(args) -> list[AttentionSpec]:
-    arch = args.arch or knobs.ARCH.get() or DEFAULT_ARCH
+    """The specs of the catalogs and --spec options, each spec that names no arch once per target arch."""
+    from .arch import build_archs
+
+    archs, _source = build_archs(args.arch)
     specs: dict[AttentionSpec, None] = {}  # ordered, de-duplicated in O(1) per spec
     for path in args.catalogs:
-        specs.update(dict.fromkeys(load_catalog(path, arch=arch, max_specs=args.max_specs)))
+        for arch in archs:
+            specs.update(dict.fromkeys(load_catalog(find_catalog(path), arch=arch, max_specs=args.max_specs)))
     for text in args.spec or []:
         if not text.strip():
             raise CatalogError("--spec", None, None, "empty spec; expected key=value,... such as "
                                "op=decode,head_dim=128,page_size=16,dtype=bf16")
-        try:
-            s = AttentionSpec.parse(text if "arch=" in text or text.lstrip().startswith("{") else f"{text},arch={arch}")
-        except (SpecError, ValueError) as exc:
-            raise CatalogError("--spec", None, getattr(exc, "field", None), str(exc)) from None
-        except TypeError as exc:  # a JSON object without op
-            raise CatalogError("--spec", None, None, f"{exc}; expected key=value,... with op=...") from None
-        specs.setdefault(s)
+        for arch in archs:
+            try:
+                named = "arch=" in text or text.lstrip().startswith("{")
+                s = AttentionSpec.parse(text if named else f"{text},arch={arch}")
+            except (SpecError, ValueError) as exc:
+                raise CatalogError("--spec", None, getattr(exc, "field", None), str(exc)) from None
+            except TypeError as exc:  # a JSON object without op
+                raise CatalogError("--spec", None, None, f"{exc}; expected key=value,... with op=...") from None
+            specs.setdefault(s)
     if not specs:
         raise CatalogError("(command line)", None, None, "no specs: give a catalog file or --spec key=value,...")
     return list(specs)
@@ -62,6 +73,15 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _arch_list(text: str) -> str:
+    from .arch import parse_arch_list
+
+    try:
+        return ",".join(parse_arch_list(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--arch: ")) from None
 
 
 def _jobs(text: str) -> int:
@@ -211,20 +231,14 @@ def _info(args) -> dict:
                         "version": tc.version.splitlines()[-1] if tc.version else ""}
     except AttnjitError as exc:
         info["nvcc"] = {"error": str(exc)}
-    arch = knobs.ARCH.get()
-    gpu = "none"
+    from .arch import build_archs, local_archs
+
+    info["gpu_archs"] = local_archs()
     try:
-        import torch
-
-        if torch.cuda.is_available():
-            from .dispatch import device_arch
-
-            gpu = torch.cuda.get_device_name(0)
-            arch = arch or device_arch(0)
-    except Exception as exc:  # noqa: BLE001 (info reports what it can)
-        gpu = f"unavailable ({type(exc).__name__})"
-    info["gpu"] = gpu
-    info["default_arch"] = arch or DEFAULT_ARCH
+        archs, source = build_archs(None)
+        info["warm_archs"] = {"archs": archs, "from": source}
+    except ValueError as exc:
+        info["warm_archs"] = {"error": str(exc)}
     cache = _cache(args)
     info["cache"] = {"root": str(cache.root), "writable": cache.root_writable(),
                      "layers": [str(p) for p in cache.layers], "stats": cache.stats()}
@@ -247,8 +261,9 @@ def cmd_info(args) -> int:
     else:
         print(f"nvcc: {tc['path']} (release {tc['release']})")
         print(f"  {tc['version']}")
-    print(f"gpu: {info['gpu']}")
-    print(f"default arch: {info['default_arch']}")
+    print(f"gpus: {', '.join(info['gpu_archs']) or 'none'}")
+    wa = info["warm_archs"]
+    print(f"warm arch: {', '.join(wa['archs'])} (from {wa['from']})" if "archs" in wa else f"warm arch: {wa['error']}")
     c = info["cache"]
     print(f"cache root: {c['root']} ({'writable' if c['writable'] else 'read-only'})")
     print(f"cache layers: {', '.join(c['layers']) or '(none; set ATTNJIT_CACHE_PATH)'}")
@@ -323,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     def spec_args(p):
         p.add_argument("catalogs", nargs="*", help="spec catalog TOML files")
         p.add_argument("--spec", action="append", help="a spec as key=value,... (repeatable)")
-        p.add_argument("--arch", help=f"target arch for specs that name none (default {DEFAULT_ARCH})")
+        p.add_argument("--arch", type=_arch_list,
+                       help="target arch(s) for specs that name none, e.g. sm_90a or sm_80,sm_90a (default: "
+                            f"ATTNJIT_ARCH_OVERRIDE, else the local GPUs' archs, else ATTNJIT_ARCH, else {DEFAULT_ARCH})")
         p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS,
                        help=f"refuse catalogs that expand to more specs than this (default {MAX_CATALOG_SPECS:,})")
 
@@ -367,7 +384,7 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.showwarning = _show_warning
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
     try:
         return args.fn(args)
     except (AttnjitError, CatalogError, SpecError) as exc:
@@ -379,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         _err(f"{type(exc).__name__}: {exc}")
         return 1
+    finally:
+        warnings.showwarning = shown
 
 
 if __name__ == "__main__":

@@ -119,12 +119,11 @@ def _torch():
 
 
 def device_arch(device) -> str:
-    """The nvcc arch for a CUDA device: sm_90a on Hopper (arch-specific features), else sm_XY."""
-    override = knobs.ARCH.get()
-    if override:
-        return override
-    major, minor = _torch().cuda.get_device_capability(device)
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    """The nvcc arch for a CUDA device: its own (sm_90a on Hopper, else sm_XY) unless ATTNJIT_ARCH_OVERRIDE forces
+    one (``arch`` holds the rule); ATTNJIT_ARCH never overrides a present GPU."""
+    from .arch import runtime_arch
+
+    return runtime_arch(*_torch().cuda.get_device_capability(device))
 
 
 def num_sms(device) -> int:

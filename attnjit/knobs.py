@@ -101,13 +101,26 @@ LOG: Knob[Path | None] = Knob(
 LOCK_TIMEOUT: Knob[float] = Knob(
     "ATTNJIT_LOCK_TIMEOUT", 900.0, _positive_float,
     "seconds to wait for another process's build of the same kernel before giving up")
+def _arch(raw: str) -> str:
+    import re
+
+    if not re.fullmatch(r"sm_(\d{2,3})a?", raw.strip()) or int(re.sub(r"\D", "", raw)) < 80:
+        raise ValueError("expected sm_XY or sm_XYa with XY >= 80, e.g. sm_80, sm_90a")
+    return raw.strip()
+
+
 ARCH: Knob[str | None] = Knob(
-    "ATTNJIT_ARCH", None, str,
-    "target arch for specs that name none (default: the current GPU's, else sm_90a)")
+    "ATTNJIT_ARCH", None, _arch,
+    "arch where there is no GPU (warm on a build machine, CPU planning; default sm_90a); a present GPU's own "
+    "arch always wins over it")
+ARCH_OVERRIDE: Knob[str | None] = Knob(
+    "ATTNJIT_ARCH_OVERRIDE", None, _arch,
+    "force this arch everywhere: at run time instead of the GPU's own, and as warm's default")
 JOBS: Knob[int | None] = Knob(
     "ATTNJIT_JOBS", None, _positive_int, "parallel nvcc jobs for a build (default: CPU count); --jobs overrides it")
 NUM_SMS: Knob[int | None] = Knob(
     "ATTNJIT_NUM_SMS", None, _positive_int,
     "SM count the split-KV scheduler plans for when no GPU is present (default 132, an H100/H200)")
 
-ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, JOBS, NUM_SMS)
+ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE, JOBS,
+                         NUM_SMS)

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 # Environment variables a CPU test must not inherit (they would change keys, roots, strictness or layers).
 _ISOLATED = ("ATTNJIT_CACHE_PATH", "ATTNJIT_JIT", "ATTNJIT_LOG", "ATTNJIT_LOCK_TIMEOUT", "ATTNJIT_ARCH",
-             "ATTNJIT_JOBS", "ATTNJIT_NUM_SMS")
+             "ATTNJIT_ARCH_OVERRIDE", "ATTNJIT_JOBS", "ATTNJIT_NUM_SMS")
 
 
 @pytest.fixture(autouse=True)

@@ -41,7 +41,6 @@ import shlex
 import shutil
 import stat
 import sys
-import time
 import uuid
 import warnings
 from contextlib import ExitStack
@@ -209,11 +208,16 @@ def _fsync(path: Path) -> None:
 
 
 class Cache:
-    """A writable root plus read-only layers searched after it."""
+    """A writable root plus read-only layers searched after it: ``ATTNJIT_CACHE_PATH``, then the layers of installed
+    kernel packages (``pack``), unless ``layers`` names them."""
 
     def __init__(self, root: Path | str | None = None, layers: Sequence[Path | str] | None = None):
         self.root = Path(root).expanduser() if root is not None else default_root()
-        self.layers = tuple(Path(p).expanduser() for p in (layers if layers is not None else knobs.CACHE_PATH.get()))
+        if layers is None:  # the environment's: ATTNJIT_CACHE_PATH, then installed kernel packages
+            from .pack import installed_layers
+
+            layers = [*knobs.CACHE_PATH.get(), *installed_layers()]
+        self.layers = tuple(dict.fromkeys(Path(p).expanduser() for p in layers))
         self.bad_entries: list[BadEntry] = []   # reported by lookups, for callers that want them
         self._checked: set[Path] = set()
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import knobs
 from .cache import Cache, dir_bytes
+from .pack import FORMATS
 from .errors import AttnjitError, CatalogError
 from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog
 
@@ -30,9 +31,23 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+CATALOGS = Path(__file__).resolve().parent / "catalogs"
+
+
+def shipped_catalogs() -> list[str]:
+    return sorted(p.stem for p in CATALOGS.glob("*.toml"))
+
+
 def find_catalog(name: str) -> Path:
-    """A catalog file path, or the name of a catalog shipped in the package (``default``)."""
-    return Path(name)
+    """A catalog file path, or the name of a catalog shipped in the package (``default``): a file wins."""
+    path = Path(name)
+    if path.exists() or "/" in name or name.endswith(".toml"):
+        return path
+    shipped = CATALOGS / f"{name}.toml"
+    if shipped.is_file():
+        return shipped
+    raise CatalogError(name, None, None, f"no catalog file of that name here, and no catalog of that name ships "
+                       f"with attnjit (shipped: {', '.join(shipped_catalogs())}; see attnjit catalog list)")
 
 
 def _cache(args) -> Cache:
@@ -82,6 +97,14 @@ def _arch_list(text: str) -> str:
         return ",".join(parse_arch_list(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--arch: ")) from None
+
+
+def _formats(text: str) -> str:
+    chosen = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in chosen if f not in FORMATS]
+    if bad or not chosen:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma-separated list of {', '.join(FORMATS)}")
+    return ",".join(chosen)
 
 
 def _jobs(text: str) -> int:
@@ -161,6 +184,33 @@ def cmd_warm(args) -> int:
     if stopped:
         return _SIGNAL_EXIT.get(stopped, 130)
     return 1 if counts(results)["failed"] else 0
+
+
+def cmd_pack(args) -> int:
+    from .pack import Packed, pack
+    from .progress import counts, summary_line
+
+    specs = _specs(args)
+    cache = _cache(args)
+    results, stopped, seconds = run_build(args, specs, cache)
+    if not args.json:
+        print(summary_line(len(specs), results, seconds, stopped), file=sys.stderr, flush=True)
+    if stopped:
+        return _SIGNAL_EXIT.get(stopped, 130)
+    if counts(results)["failed"]:
+        _err(f"{counts(results)['failed']} spec(s) failed to build; nothing was packed")
+        return 1
+    items = list({r.entry.key: Packed(r.entry, r.job.source, r.job.context.canonical())
+                  for r in results if r.entry is not None}.values())
+    name = args.name or (Path(args.catalogs[0]).stem if args.catalogs else "kernels")
+    written = pack(items, Path(args.output), name=name, version=args.pkg_version,
+                   formats=tuple(args.format.split(",")))
+    for path in written:
+        if args.json:
+            print(json.dumps({"event": "packed", "path": str(path), "kernels": len(items)}))
+        else:
+            print(f"wrote {path} ({len(items)} kernels)")
+    return 0
 
 
 def cmd_cache(args) -> int:
@@ -288,6 +338,15 @@ def cmd_render(args) -> int:
 
 
 def cmd_catalog(args) -> int:
+    if args.action == "list":
+        for name in shipped_catalogs():
+            path = CATALOGS / f"{name}.toml"
+            first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
+            print(f"{name:<16} {len(load_catalog(path)):4d} specs  {first}")
+        return 0
+    if args.log is None:
+        _err("catalog from-log needs the JSONL file ATTNJIT_LOG wrote")
+        return 2
     specs: list[AttentionSpec] = []
     path = Path(args.log)
     try:
@@ -369,9 +428,20 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(p)
     p.set_defaults(fn=cmd_render)
 
-    p = sub.add_parser("catalog", help="turn a dispatch log (ATTNJIT_LOG) into a spec catalog")
-    p.add_argument("action", choices=["from-log"])
-    p.add_argument("log", help="JSONL written by ATTNJIT_LOG")
+    p = sub.add_parser("pack", help="warm catalogs and package their kernels: a wheel, a layer directory, a tarball")
+    spec_args(p)
+    build_args(p)
+    p.add_argument("-o", "--output", required=True, type=_cache_dir, metavar="DIR", help="where the packages go")
+    p.add_argument("--name", help="package name (default: the first catalog's name)")
+    p.add_argument("--pkg-version", default="1.0.0", help="the packages' version (default 1.0.0)")
+    p.add_argument("--format", type=_formats, default=",".join(FORMATS),
+                   help=f"comma-separated, any of {', '.join(FORMATS)} (default all)")
+    p.add_argument("--cache-dir", type=_cache_dir, help="cache root to warm into and pack from")
+    p.set_defaults(fn=cmd_pack)
+
+    p = sub.add_parser("catalog", help="turn a dispatch log (ATTNJIT_LOG) into a spec catalog; list shipped ones")
+    p.add_argument("action", choices=["from-log", "list"], help="from-log: a log to a catalog; list: shipped catalogs")
+    p.add_argument("log", nargs="?", help="from-log: the JSONL written by ATTNJIT_LOG")
     p.add_argument("-o", "--output", help="catalog file to write (default stdout)")
     p.set_defaults(fn=cmd_catalog)
     return parser

@@ -58,6 +58,7 @@ def _isolated_cache_env(request, tmp_path_factory):
     for name in _ISOLATED:
         mp.delenv(name, raising=False)
     mp.setenv("ATTNJIT_CACHE_DIR", str(tmp_path_factory.mktemp("default-root") / "cache"))
+    mp.setenv("ATTNJIT_PACKAGES", "0")  # kernel packages installed on this machine are not the test's
     yield
 
 

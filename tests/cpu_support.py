@@ -117,3 +117,14 @@ def kill_tagged(tag: str) -> None:
             os.kill(pid, 9)
         except ProcessLookupError:
             pass
+
+
+def hidden_nvcc_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]:
+    """An environment with no nvcc anywhere: PATH without it, no CUDA_HOME, and an ATTNJIT_NVCC that leaves a
+    mark (and fails) if anything runs it."""
+    ran = tmp_path / "nvcc-was-run"
+    poison = write_script(tmp_path / "poison-nvcc", f'echo "$@" >> "{ran}"\nexit 97\n')
+    (tmp_path / "empty-bin").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_HOME"}
+    env.update(PATH=str(tmp_path / "empty-bin"), ATTNJIT_NVCC=str(poison), PYTHONPATH=str(REPO), **extra)
+    return env, ran

@@ -18,20 +18,9 @@ import pytest
 from attnjit import jit
 from attnjit.cache import Cache
 from attnjit.toolchain import find_nvcc, nvcc
-from tests.cpu_support import MERGE_FP16, REPO, entry_dir, parse_summary, run_cli, write_script
+from tests.cpu_support import MERGE_FP16, entry_dir, hidden_nvcc_env, parse_summary, run_cli, write_script
 
 OLD_PATCH = "Cuda compilation tools, release 13.0, V13.0.48"
-
-
-def hidden_nvcc_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]:
-    """An environment with no nvcc anywhere: PATH without it, no CUDA_HOME, and an ATTNJIT_NVCC that leaves a
-    mark (and fails) if anything runs it."""
-    ran = tmp_path / "nvcc-was-run"
-    poison = write_script(tmp_path / "poison-nvcc", f'echo "$@" >> "{ran}"\nexit 97\n')
-    (tmp_path / "empty-bin").mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_HOME"}
-    env.update(PATH=str(tmp_path / "empty-bin"), ATTNJIT_NVCC=str(poison), PYTHONPATH=str(REPO), **extra)
-    return env, ran
 
 
 # In a fresh interpreter: every lookup path with nvcc discovery itself booby-trapped.

@@ -15,7 +15,6 @@ import re
 import signal
 import stat
 import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest

@@ -107,6 +107,12 @@ def _formats(text: str) -> str:
     return ",".join(chosen)
 
 
+def _out_dir(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty -o names no directory")
+    return text
+
+
 def _jobs(text: str) -> int:
     try:
         n = int(text)
@@ -395,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
         shown.add_argument("--json", action="store_true", help="one JSON object per line on stdout, for machines")
 
     def spec_args(p):
-        p.add_argument("catalogs", nargs="*", help="spec catalog TOML files")
+        p.add_argument("catalogs", nargs="*",
+                       help="catalog TOML files, or names of catalogs shipped with attnjit (default; attnjit catalog list)")
         p.add_argument("--spec", action="append", help="a spec as key=value,... (repeatable)")
         p.add_argument("--arch", type=_arch_list,
                        help="target arch(s) for specs that name none, e.g. sm_90a or sm_80,sm_90a (default: "
@@ -431,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="warm catalogs and package their kernels: a wheel, a layer directory, a tarball")
     spec_args(p)
     build_args(p)
-    p.add_argument("-o", "--output", required=True, type=_cache_dir, metavar="DIR", help="where the packages go")
+    p.add_argument("-o", "--output", required=True, type=_out_dir, metavar="DIR", help="where the packages go")
     p.add_argument("--name", help="package name (default: the first catalog's name)")
     p.add_argument("--pkg-version", default="1.0.0", help="the packages' version (default 1.0.0)")
     p.add_argument("--format", type=_formats, default=",".join(FORMATS),

@@ -161,3 +161,17 @@ def test_shipped_catalogs_are_named_and_the_old_paths_still_work(tmp_path):
 def test_the_package_data_lists_the_catalogs():
     text = (REPO / "pyproject.toml").read_text()
     assert '"catalogs/*.toml"' in text
+
+
+def test_the_docs_list_every_setting_and_the_license_is_apache():
+    from attnjit import knobs
+
+    settings = (REPO / "docs" / "settings.md").read_text()
+    rows = [ln.split("|")[1].strip().strip("`") for ln in settings.splitlines() if ln.startswith("| `")]
+    assert rows == [k.name for k in knobs.ALL], "docs/settings.md and attnjit/knobs.py list other settings"
+    for doc in ("deployment.md", "cli.md", "settings.md"):
+        assert f"docs/{doc}" in (REPO / "README.md").read_text()
+    license_text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text and 'license = { text = "Apache-2.0" }' in \
+        (REPO / "pyproject.toml").read_text()

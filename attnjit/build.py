@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from .errors import BuildSetupError
+from .errors import BuildSetupError, CompileError
 
 CUBIN, SOURCE, LOG, STARTED, NINJA_LOG = "kernel.cubin", "kernel.cu", "build.log", "started", "ninja.log"
 _STATUS = re.compile(r"^\[(\d+)/(\d+)\] ([0-9a-f]{64})$")
@@ -57,6 +57,43 @@ class Outcome:
     seconds: float
     log: str                # the compiler's output (or ninja's, when the compiler never ran)
     log_name: str           # the file in the target's directory that holds it
+
+
+def first_error_line(log: str) -> str:
+    """The first ``error`` line of a compiler log (else its last line): what an error message leads with."""
+    for line in log.splitlines():
+        if re.search(r"\berror\b", line, re.I):
+            return line.strip()
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    return lines[-1] if lines else "nvcc failed without output"
+
+
+@dataclass(frozen=True)
+class BuildEvent:
+    """What a build reports while it runs (``progress`` callbacks). ``str()`` is the plain one-line form."""
+
+    kind: str                       # plan | start | built | failed | compiling | waiting
+    label: str = ""
+    key: str = ""
+    total: int = 0                  # plan: distinct jobs; start: jobs this ninja run builds
+    cached: int = 0                 # plan: how many were already cached
+    parallel: int = 0               # start
+    seconds: float | None = None    # built / failed
+    error: CompileError | None = None
+    compiling: tuple[str, ...] = ()  # compiling: labels of the kernels compiling now
+
+    def __str__(self) -> str:
+        if self.kind == "plan":
+            return f"{self.total} kernel(s): {self.cached} cached, {self.total - self.cached} to build"
+        if self.kind == "start":
+            return f"compiling {self.total} kernel module(s) with {self.parallel} parallel nvcc job(s)"
+        if self.kind == "built":
+            return f"  built {self.label} in {self.seconds:.1f} s"
+        if self.kind == "failed":
+            return f"  FAILED {self.label}: {self.error.first_error if self.error else '?'}"
+        if self.kind == "waiting":
+            return f"waiting for another process building {self.label}"
+        return f"  compiling: {', '.join(self.compiling)}"
 
 
 def ninja_binary() -> str:

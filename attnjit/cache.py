@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Sequence
 from filelock import FileLock, Timeout
 
 from . import knobs
-from .build import STARTED, Outcome, Target, run_ninja
+from .build import STARTED, BuildEvent, Outcome, Target, first_error_line, run_ninja
 from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .toolchain import Nvcc, nvcc
 from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
@@ -148,34 +148,6 @@ class BuildResult:
     error: CompileError | None = None
 
 
-@dataclass(frozen=True)
-class BuildEvent:
-    """What a build reports while it runs (``progress`` callbacks). ``str()`` is the plain one-line form."""
-
-    kind: str                       # plan | start | built | failed | compiling | waiting
-    label: str = ""
-    key: str = ""
-    total: int = 0                  # plan: distinct jobs; start: jobs this ninja run builds
-    cached: int = 0                 # plan: how many were already cached
-    parallel: int = 0               # start
-    seconds: float | None = None    # built / failed
-    error: CompileError | None = None
-    compiling: tuple[str, ...] = () # compiling: labels of the kernels compiling now
-
-    def __str__(self) -> str:
-        if self.kind == "plan":
-            return f"{self.total} kernel(s): {self.cached} cached, {self.total - self.cached} to build"
-        if self.kind == "start":
-            return f"compiling {self.total} kernel module(s) with {self.parallel} parallel nvcc job(s)"
-        if self.kind == "built":
-            return f"  built {self.label} in {self.seconds:.1f} s"
-        if self.kind == "failed":
-            return f"  FAILED {self.label}: {self.error.first_error if self.error else '?'}"
-        if self.kind == "waiting":
-            return f"waiting for another process building {self.label}"
-        return f"  compiling: {', '.join(self.compiling)}"
-
-
 class BuildInterrupted(KeyboardInterrupt):
     """A build stopped by SIGINT (or SIGTERM, turned into this by the CLI). ``.results``: one per job, in order;
     kernels that finished before the signal are published and ``built``, the rest ``interrupted``."""
@@ -189,14 +161,6 @@ class BuildInterrupted(KeyboardInterrupt):
 class BadEntry:
     dir: Path
     problem: str
-
-
-def _first_error_line(log: str) -> str:
-    for line in log.splitlines():
-        if re.search(r"\berror\b", line, re.I):
-            return line.strip()
-    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
-    return lines[-1] if lines else "nvcc failed without output"
 
 
 def _fsync(path: Path) -> None:
@@ -313,7 +277,8 @@ class Cache:
         if not isinstance(manifest, dict) or manifest.get("key") != key:
             return None, "manifest.json names another key"
         if manifest.get("format") != CACHE_FORMAT_VERSION:
-            return None, f"cache format {manifest.get('format')} (expected {CACHE_FORMAT_VERSION})"
+            return None, (f"cache format {manifest.get('format')} (expected {CACHE_FORMAT_VERSION}: another attnjit "
+                          "version wrote it; attnjit cache prune removes bad entries first)")
         try:
             image = read_file(efd, CUBIN, CUBIN, MAX_CUBIN_BYTES)
         except FileNotFoundError:
@@ -504,7 +469,7 @@ class Cache:
                 failed = self.root / "failed" / job.key
                 shutil.rmtree(failed, ignore_errors=True)
                 os.replace(d, failed)
-                error = CompileError(job.context, job.label, _first_error_line(out.log), failed / out.log_name,
+                error = CompileError(job.context, job.label, first_error_line(out.log), failed / out.log_name,
                                      out.log)
                 by_key[job.key] = BuildResult(job, "failed", None, out.seconds, error)
                 say(BuildEvent("failed", job.label, job.key, seconds=out.seconds, error=error))

@@ -1,7 +1,8 @@
 """spec -> CUDA source (+ kernel names and launch shapes). Deterministic: the same spec renders the same bytes.
 
 The templates (``templates/*.cu.jinja``) bind the spec's constants and instantiate kernels; the CUDA itself lives in
-ordinary headers (``templates/include/attnjit/*.cuh``) that this module inlines, with ``#line`` directives, so
+ordinary headers (``templates/include/attnjit/**/*.cuh``: shared ones, and each kernel family's folder) that this
+module inlines, with ``#line`` directives, so
 the rendered source is self-contained: its bytes are everything the compiler sees besides the toolkit.
 """
 
@@ -10,11 +11,13 @@ from __future__ import annotations
 import functools
 import re
 import struct as _struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
+from . import families
 from .specs import AttentionSpec
 from .variants import TensorParam, Variant
 
@@ -22,8 +25,7 @@ TEMPLATE_DIR = Path(__file__).parent / "templates"
 INCLUDE_DIR = TEMPLATE_DIR / "include"
 
 _CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
-_TEMPLATE = {"prefill": "attention.cu.jinja", "decode": "attention.cu.jinja",
-             "merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.jinja"}
+_TEMPLATE = {"merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.jinja"}  # attention: the family's
 
 
 # --- kernel parameter structs ----------------------------------------------------------------------------
@@ -171,99 +173,6 @@ def attention_layout(variant: Variant | None) -> ParamLayout:
     return ParamLayout(list(PARAMS["attention"].fields) + extra)
 
 
-# --- tile configurations ---------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Tile:
-    """One attention kernel instance's tiling; mirrors ``AttentionTraits`` (the template static_asserts it)."""
-
-    head_dim: int
-    page_size: int  # 0 for ragged KV (no page ids to stage)
-    warps_q: int
-    warps_kv: int
-    mma_q: int
-    mma_kv: int
-    stages: int
-    min_blocks: int
-    tag: str = ""   # tells apart two tiles of one shape in one module (e.g. "deep": a longer pipeline)
-
-    @property
-    def cta_q(self) -> int:
-        return self.warps_q * self.mma_q * 16
-
-    @property
-    def cta_kv(self) -> int:
-        return self.warps_kv * self.mma_kv * 16
-
-    @property
-    def threads(self) -> int:
-        return 32 * self.warps_q * self.warps_kv
-
-    @property
-    def smem(self) -> int:
-        d = self.head_dim
-        pipe = 2 * self.stages * self.cta_kv * d * 2
-        merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
-        pages_per_tile = (self.cta_kv // self.page_size if self.cta_kv > self.page_size else 1) if self.page_size else 0
-        page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
-        return self.cta_q * d * 2 + page_smem + max(pipe, merge)
-
-    @property
-    def name(self) -> str:
-        base = f"q{self.cta_q}_kv{self.cta_kv}_w{self.warps_q}x{self.warps_kv}"
-        return f"{base}_{self.tag}" if self.tag else base
-
-    @property
-    def kernel(self) -> str:
-        return f"attnjit_attention_{self.name}"
-
-
-def _narrow_tile(head_dim: int, page_size: int, group_size: int) -> Tile:
-    """Few packed rows (decode; prefill of 1-2 tokens): warps split the KV tile, one row block per group."""
-    rows = -(-group_size // 16) * 16
-    stages = {64: 4, 128: 3, 256: 2}[head_dim]
-    min_blocks = 1 if head_dim == 256 else 2
-    if rows <= 32:
-        return Tile(head_dim, page_size, warps_q=1, warps_kv=4, mma_q=rows // 16, mma_kv=1, stages=stages,
-                    min_blocks=min_blocks)
-    return Tile(head_dim, page_size, warps_q=rows // 16, warps_kv=1, mma_q=1, mma_kv=4, stages=2,
-                min_blocks=min_blocks)
-
-
-def _deep_decode_tile(head_dim: int, page_size: int, group_size: int) -> Tile | None:
-    """The decode tile for batches too small to fill the GPU (split-KV): one stage more and one CTA per SM, so each
-    SM keeps more KV bytes in flight with fewer CTAs (measured on the H200 at head_dim 128: 1x32768 2.97 -> 3.24
-    TB/s, 16x4096 3.93 -> 4.09; the same tile loses on full batches, 64x4096 4.41 -> 4.26). None elsewhere."""
-    narrow = _narrow_tile(head_dim, page_size, group_size)
-    if head_dim != 128 or narrow.warps_kv != 4:
-        return None
-    return replace(narrow, stages=narrow.stages + 1, min_blocks=1, tag="deep")
-
-
-def _wide_tile(head_dim: int, page_size: int) -> Tile:
-    """Many packed rows (prefill): warps split the q rows, each warp sweeps the whole KV tile."""
-    if head_dim == 256:
-        return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=1, mma_kv=2, stages=2, min_blocks=1)
-    return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=2, mma_kv=4, stages=2,
-                min_blocks=2 if head_dim == 64 else 1)
-
-
-@functools.lru_cache(maxsize=512)
-def tiles_for(spec: AttentionSpec) -> tuple[Tile, ...]:
-    """Kernel instances a spec's module holds, narrowest first. plan() picks one per batch (memoized: plan() asks
-    every step)."""
-    page_size = spec.page_size or 0
-    if spec.op == "decode":
-        narrow = _narrow_tile(spec.head_dim_qk, page_size, spec.group_size)
-        deep = _deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size)
-        return (narrow, deep) if deep else (narrow,)
-    if spec.op == "prefill":
-        narrow = _narrow_tile(spec.head_dim_qk, page_size, spec.group_size)
-        wide = _wide_tile(spec.head_dim_qk, page_size)
-        return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
-    return ()
-
-
 # --- rendering -----------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -272,7 +181,7 @@ class KernelInfo:
     threads: int
     smem: int
     layout: ParamLayout  # the kernel's parameter struct
-    tile: Tile | None = None
+    tile: Any = None     # the family's tile (attention kernels)
 
 
 @dataclass(frozen=True)
@@ -349,20 +258,21 @@ def _variant_context(variant: Variant) -> dict:
 
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
     cpp_bool = lambda b: "true" if b else "false"  # noqa: E731
-    layout = attention_layout(spec.variant) if spec.op in ("prefill", "decode") else None
+    layout = attention_layout(spec.variant) if spec.op in families.OPS else None
     params = {k: v.fields for k, v in PARAMS.items()}
     if layout is not None:
         params["attention"] = layout.fields
     ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": params}
     kernels: dict[str, KernelInfo] = {}
-    if spec.op in ("prefill", "decode"):
-        tiles = tiles_for(spec)
+    if spec.op in families.OPS:
+        family = families.get(spec.family)
         ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_qk,
                    group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
                    paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
-                   hnd=cpp_bool(spec.layout == "HND"), tiles=tiles,
+                   hnd=cpp_bool(spec.layout == "HND"), family=spec.family,
                    variant=_variant_context(spec.variant) if spec.variant is not None else None)
-        for t in tiles:
+        ctx.update(family.context(spec))
+        for t in ctx["tiles"]:
             kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, layout, t)
     elif spec.op == "merge_state":
         ctx.update(ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_vo, block=128)
@@ -389,7 +299,7 @@ def _return_lines(source: str) -> str:
 @functools.lru_cache(maxsize=512)
 def render(spec: AttentionSpec) -> Rendered:
     """The CUDA source of ``spec``'s module, with the kernels it defines."""
-    template_name = _TEMPLATE[spec.op]
+    template_name = families.get(spec.family).TEMPLATE if spec.op in families.OPS else _TEMPLATE[spec.op]
     ctx, kernels = _context(spec)
     text = _environment().get_template(template_name).render(**ctx)
     source = _return_lines(_inline_includes(text, None, set()))

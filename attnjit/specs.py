@@ -39,9 +39,9 @@ _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 # that does not change its kernel, so two specs that compile to the same code are equal.
 _FIELDS_BY_OP = {
     "prefill": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "mask", "layout",
-                "kv", "group_size", "variant"},
+                "kv", "group_size", "variant", "family"},
     "decode": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "layout", "kv",
-               "group_size", "variant"},
+               "group_size", "variant", "family"},
     "merge_state": {"head_dim_vo", "dtype_o"},
     "append_kv": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_kv", "layout"},
 }
@@ -87,6 +87,7 @@ class AttentionSpec:
     kv: str | None = None              # paged | ragged (attention ops)
     group_size: int | None = None      # H_q / H_kv, fused into one CTA
     variant: Variant | None = None     # custom attention (attnjit.Variant, or its "module:attribute")
+    family: str | None = None          # kernel family (attnjit.families): fa2 | sm90; default from the arch
     arch: str = DEFAULT_ARCH           # nvcc target, e.g. sm_90a
     head_dim: InitVar[int | None] = None
     dtype: InitVar[str | None] = None
@@ -187,6 +188,17 @@ class AttentionSpec:
         m = _ARCH_RE.match(str(self.arch))
         if not m or int(m.group(1)) < 80:
             raise SpecError("arch", self.arch, "expected sm_XY or sm_XYa with XY >= 80 (e.g. sm_90a, sm_80)")
+        if "family" in used:
+            from . import families  # families know nothing of specs at import time
+
+            if self.family is None:
+                set_("family", families.default_family(self))
+            elif self.family not in families.NAMES:
+                raise SpecError("family", self.family, f"expected one of {', '.join(families.NAMES)}")
+            else:
+                reason = families.unsupported(self)
+                if reason is not None:
+                    raise SpecError("family", self.family, reason)
 
     # --- canonical form ---------------------------------------------------------------------------------
 
@@ -249,11 +261,19 @@ class AttentionSpec:
             parts.append(self.layout)
         if self.variant is not None:
             parts.append(f"v{self.variant.name}")
+        if self.family:
+            parts.append(self.family)
         parts.append(self.arch)
         return "-".join(str(p) for p in parts)
 
     def replace(self, **changes: Any) -> "AttentionSpec":
+        """A spec with some fields changed. A defaulted family is defaulted again (the change may move it)."""
         data = self.to_dict()
+        if "family" not in changes and self.family is not None:
+            from . import families
+
+            if self.family == families.default_family(self):
+                del data["family"]
         data.update(changes)
         return AttentionSpec.from_dict({k: v for k, v in data.items() if v is not None})
 
@@ -281,9 +301,10 @@ def load_catalog(path: str | Path, *, arch: str | None = None,
                  max_specs: int = MAX_CATALOG_SPECS) -> list[AttentionSpec]:
     """Read a TOML catalog (``[[spec]]`` tables) into specs, de-duplicated, in file order.
 
-    ``arch`` fills in tables that name none. Errors name the file, the table and the field. A catalog whose
-    tables expand to more than ``max_specs`` specs is refused before anything is expanded (the message gives the
-    count). Linear in the number of specs.
+    ``arch`` fills in tables that name none. A table that names no ``family`` gives each attention spec once per
+    family plan() may run it on (``families.dispatchable``). Errors name the file, the table and the field. A
+    catalog whose tables expand to more than ``max_specs`` specs (before families) is refused before anything is
+    expanded (the message gives the count). Linear in the number of specs.
     """
     path = Path(path)
     try:
@@ -331,8 +352,19 @@ def load_catalog(path: str | Path, *, arch: str | None = None,
                 raise CatalogError(path, t, exc.field, f"{exc.value!r} is not supported: {exc.allowed}") from None
             except TypeError as exc:
                 raise CatalogError(path, t, None, str(exc)) from None
-            specs.setdefault(spec)
+            # a table that names no family warms every family plan() may dispatch the spec on (on sm_90a a prefill
+            # spec runs on sm90, and on fa2 for decode-like batches)
+            siblings = [spec] if "family" in table or spec.family is None else [
+                spec if f == spec.family else spec.replace(family=f) for f in _dispatch_families(spec)]
+            for s in siblings:
+                specs.setdefault(s)
     return list(specs)
+
+
+def _dispatch_families(spec: AttentionSpec) -> list[str]:
+    from . import families
+
+    return families.dispatchable(spec)
 
 
 def dump_catalog(specs: Iterable[AttentionSpec], header: str = "") -> str:

@@ -3,12 +3,15 @@
 Workloads: H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages in shuffled order.
   decode  batch x KV length: 1x32768 16x4096 64x4096 128x2048 256x1024 32x16384
           figure: TB/s of KV read = batch * kv_len * H_kv * D * 2 (K and V) * 2 bytes / time
-  prefill paged causal, no prefix, batch x length: 1x8192 8x2048 32x512
-          figure: TFLOP/s = 4 * batch * H_q * D * L^2 / 2 / time
+  prefill (benchmarks/prefill.py) paged causal, no prefix, batch x length: 1x8192 8x2048 32x512, plus non-causal,
+          head_dim 64 and 256, page_size 1 and ragged rows; attnjit on its default family (sm90 on Hopper) and on
+          fa2, FlashInfer fa2 and fa3, torch SDPA (cuDNN); figure: TFLOP/s = 4 * batch * H_q * D * L^2 (/ 2 causal)
+  variants: built-ins and a user variant on the default family (prefill) and on decode
+Ceilings measured in the same run: device copy (read + write) and an 8192^3 bf16 matmul.
 Timing: CUDA events around 30 back-to-back calls (after 10 warm-up calls), median of 7 such blocks; each call is
 a whole run() (all its launches). Every input is random; KV caches are larger than the 60 MB L2.
 
-    python benchmarks/bench.py [--only decode|prefill] [--no-flashinfer] [--json OUT.json]
+    python benchmarks/bench.py [--only decode|prefill|variants] [--main-only] [--no-flashinfer] [--json OUT.json]
     python benchmarks/bench.py --sweep      # prefill tile variants (tuning aid; compiles each variant)
     python benchmarks/bench.py --order-sweep   # prefill work orders: request-grouped vs longest-first
 """
@@ -27,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
+from benchmarks import prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
 PREFILL_ROWS = [(1, 8192), (8, 2048), (32, 512)]
-COPY_TBPS, MATMUL_TFLOPS = 4.2, 770.0  # measured ceilings on the H200 (KERNELS.md)
 
 
 def time_ms(fn, reps: int = 30, blocks: int = 7, warmup: int = 10) -> float:
@@ -109,45 +112,35 @@ def ws_fi():
     return _ws_fi
 
 
-def bench_prefill(fi, rows, results, sdpa: bool = True):
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for batch, length in rows:
-        indptr, indices, last, cache = paged_tables(batch, length, seed=1)
-        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
-        flops = 4 * batch * H_Q * D * length * length / 2
-        row = {"op": "prefill", "shape": f"{batch}x{length}", "flops": flops}
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
-        w.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
-        out = torch.empty_like(q)
-        row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out))
-        row["attnjit_plan"] = w.last_plan
-        if fi is not None:
-            fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws_fi(), "NHD", backend="fa2")
-            fw.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT,
-                    kv_data_type=DT)
-            fout = torch.empty_like(q)
-            row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
-            row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
-        # torch SDPA (cuDNN where available) on contiguous [B, H, L, D] tensors, KV heads expanded
-        qs = q.view(batch, length, H_Q, D).transpose(1, 2).contiguous()
-        ks = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
-        vs = torch.randn(batch, H_Q, length, D, dtype=DT, device="cuda")
-        for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")) if sdpa else ():
-            try:
-                from torch.nn.attention import SDPBackend, sdpa_kernel
+def bench_prefill(fi, rows, results, sdpa: bool = True, families=("auto", "fa2")):
+    """Paged causal prefill rows (batch, length) through benchmarks/prefill.py (both families, FlashInfer, SDPA)."""
+    prefill.bench_rows(fi, [prefill.Row(b, L) for b, L in rows], results, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
+                       sdpa=sdpa, families=families)
 
-                with sdpa_kernel(getattr(SDPBackend, backend)):
-                    row[f"{name}_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                        qs, ks, vs, is_causal=True))
-            except Exception as exc:  # noqa: BLE001
-                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
-        for k in ("attnjit", "flashinfer", "sdpa_cudnn", "sdpa_flash"):
-            if f"{k}_ms" in row:
-                row[f"{k}_tflops"] = flops / (row[f"{k}_ms"] * 1e-3) / 1e12
-        results.append(row)
-        del cache, ks, vs
-        torch.cuda.empty_cache()
+
+_ws_attnjit = None
+
+
+def _ws():
+    global _ws_attnjit
+    if _ws_attnjit is None:
+        _ws_attnjit = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return _ws_attnjit
+
+
+def measure_ceilings() -> dict:
+    """The two ceilings in this run: device copy (bytes read + written) and a bf16 matmul, on random data."""
+    n = 1 << 30  # 2 GiB of bf16 each way
+    a = torch.randn(n // 2, dtype=torch.bfloat16, device="cuda")
+    b = torch.empty_like(a)
+    copy_ms = time_ms(lambda: b.copy_(a), reps=10, blocks=5, warmup=3)
+    del a, b
+    m = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm_ms = time_ms(lambda: m @ k, reps=10, blocks=5, warmup=3)
+    del m, k
+    torch.cuda.empty_cache()
+    return {"copy_tbps": 2 * n / (copy_ms * 1e-3) / 1e12, "matmul_tflops": 2 * 8192 ** 3 / (mm_ms * 1e-3) / 1e12}
 
 
 NOOP = attnjit.Variant("noop", logits_transform="return logit;")
@@ -161,7 +154,7 @@ VARIANT_ROWS = [("default", {}, {}, {}), ("noop variant", {}, {}, None),
 def bench_variants(fi, results) -> None:
     """Cost of each built-in on a decode and a prefill row, against the default kernel and FlashInfer's feature."""
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for op, (batch, length) in (("decode", (64, 4096)), ("prefill", (8, 2048))):
+    for op, (batch, length) in (("decode", (64, 4096)),):
         indptr, indices, last, cache = paged_tables(batch, length, seed=2)
         nq = batch if op == "decode" else batch * length
         q = torch.randn(nq, H_Q, D, dtype=DT, device="cuda")
@@ -220,18 +213,19 @@ SWEEP_DECODE = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 2, 3), (1, 4, 1, 1, 4, 1), (1, 
 
 
 def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> list[dict]:
-    """Time each tile variant as ``generator.<factory>``'s tile (a tuning aid: the winner goes into the
-    generator). ``run_rows(res)`` appends one result row per shape; a tile that does not build is reported."""
+    """Time each tile variant as ``attnjit.families.fa2.<factory>``'s tile (a tuning aid: the winner goes into the
+    family). ``run_rows(res)`` appends one result row per shape; a tile that does not build is reported."""
     from attnjit import dispatch, generator
+    from attnjit.families import fa2
 
-    original = getattr(generator, factory)
+    original = getattr(fa2, factory)
     out = []
     try:
         for v in variants:
-            tile = generator.Tile(D, PS, *v)
-            setattr(generator, factory, lambda *args, tile=tile: tile)
+            tile = fa2.Tile(D, PS, *v)
+            setattr(fa2, factory, lambda *args, tile=tile: tile)
             generator.render.cache_clear()
-            generator.tiles_for.cache_clear()
+            fa2.tiles.cache_clear()
             dispatch.clear_memory()
             res: list[dict] = []
             try:
@@ -243,20 +237,20 @@ def _sweep_tiles(factory: str, variants, run_rows, metric: str, digits: int) -> 
                         **{r["shape"]: round(r[metric], digits) for r in res}})
             print(json.dumps(out[-1]), flush=True)
     finally:
-        setattr(generator, factory, original)
+        setattr(fa2, factory, original)
         generator.render.cache_clear()
-        generator.tiles_for.cache_clear()
+        fa2.tiles.cache_clear()
         dispatch.clear_memory()
     return out
 
 
 def sweep_decode(rows) -> list[dict]:
-    return _sweep_tiles("_narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
+    return _sweep_tiles("narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
 
 def sweep_prefill(rows) -> list[dict]:
-    return _sweep_tiles("_wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False),
-                        "attnjit_tflops", 1)
+    return _sweep_tiles("wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False, families=("fa2",)),
+                        "attnjit_fa2_tflops", 1)
 
 
 def sweep_grid(rows) -> list[dict]:
@@ -307,28 +301,21 @@ def sweep_order(rows) -> list[dict]:
             attention.plan_work = fn
             res: list[dict] = []
             bench_prefill(None, rows, res, sdpa=False)
-            out.append({"order": name, **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res}})
+            out.append({"order": name, **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res},
+                         **{f"{r['shape']} fa2": round(r["attnjit_fa2_tflops"], 1) for r in res}})
             print(json.dumps(out[-1]), flush=True)
     finally:
         attention.plan_work = original
     return out
 
 
-def table(results) -> str:
-    lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling | other |", "|---|---|---|---|---|---|---|"]
+def table(results, copy_tbps: float) -> str:
+    lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling |", "|---|---|---|---|---|---|"]
     for r in results:
-        if r["op"] == "decode":
-            a, f = r.get("attnjit_tbps"), r.get("flashinfer_tbps")
-            unit, ceiling = "TB/s", COPY_TBPS
-        else:
-            a, f = r.get("attnjit_tflops"), r.get("flashinfer_tflops")
-            unit, ceiling = "TFLOP/s", MATMUL_TFLOPS
-        other = ""
-        if r["op"] == "prefill":
-            other = ", ".join(f"{k[:-7]} {r[k]:.0f}" for k in ("sdpa_cudnn_tflops", "sdpa_flash_tflops") if k in r)
+        a, f = r.get("attnjit_tbps"), r.get("flashinfer_tbps")
         ratio = f"{a / f:.2f}" if a and f else "-"
-        fs = f"{f:.2f} {unit}" if f else "-"
-        lines.append(f"| {r['op']} | {r['shape']} | {a:.2f} {unit} | {fs} | {ratio} | {a / ceiling:.0%} | {other} |")
+        fs = f"{f:.2f} TB/s" if f else "-"
+        lines.append(f"| {r['op']} | {r['shape']} | {a:.2f} TB/s | {fs} | {ratio} | {a / copy_tbps:.0%} |")
     return "\n".join(lines)
 
 
@@ -336,6 +323,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", choices=["decode", "prefill", "variants"])
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
+    ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
@@ -357,25 +346,37 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1))
         return 0
     fi = None if args.no_flashinfer else load_flashinfer()
-    results: list[dict] = []
+    fi_skip = frozenset(filter(None, args.fi_skip.split(",")))
     t0 = time.time()
-    if args.only in (None, "decode"):
-        bench_decode(fi, DECODE_ROWS, results)
-    if args.only in (None, "prefill"):
-        bench_prefill(fi, PREFILL_ROWS, results)
-    if results:
-        print(table(results), flush=True)
+    ceilings = measure_ceilings()
+    print(json.dumps({"ceilings": ceilings}), flush=True)
+    decode_rows: list[dict] = []
+    prefill_rows: list[dict] = []
     variant_rows: list[dict] = []
+    if args.only in (None, "decode"):
+        bench_decode(fi, DECODE_ROWS, decode_rows)
+        print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
+    if args.only in (None, "prefill"):
+        rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
+        prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
+        print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
     if args.only in (None, "variants"):
+        prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d")}
+            "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings}
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "rows": results, "variants": variant_rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": meta, "decode": decode_rows, "prefill": prefill_rows,
+                                               "variants": variant_rows}, indent=1))
     print(json.dumps(meta))
+    if decode_rows:
+        print(table(decode_rows, ceilings["copy_tbps"]))
+    if prefill_rows:
+        print(prefill.table(prefill_rows, ceilings["matmul_tflops"]))
     if variant_rows:
-        print(variant_table(variant_rows))
+        print(prefill.variant_table([r for r in variant_rows if r["op"] == "prefill variants"]))
+        print(variant_table([r for r in variant_rows if r["op"] != "prefill variants"]))
     return 0
 
 

@@ -11,8 +11,11 @@
 #   5. the model benchmark (benchmarks/model.py): tokens/s with attnjit and with FlashInfer at the same call sites
 #
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
-#   STAGES: all (= tests,model,bench) or a comma-separated list of tests, model, bench, sweep (tile variants),
+#   STAGES: all (= tests,model,bench) or a comma-separated list of smoke (each family on a few batches, under a
+#   timeout), tests, model, bench, sweep (tile variants),
 #   order (prefill work orders), profile (Nsight Compute, short prefill rows); default all
+#   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
+#   BENCH_ARGS (e.g. --fi-skip fa3:64), TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -32,8 +35,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in tests|model|bench|sweep|order|profile) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
+  case $s in smoke|tests|model|bench|sweep|order|profile) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -65,9 +68,23 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
   fi_files_before=$(find /tmp/fiws -type f | wc -l)
 }
 
+if has smoke; then   # each family on a few batches, under a timeout: a hanging kernel family is skipped below
+  t=$(date +%s)
+  timeout -k 5 ${SMOKE_TIMEOUT:-120} python3 scripts/smoke.py >"$OUT/smoke.txt" 2>&1
+  rc=$?
+  summary+=("smoke (rc=$rc, $(( $(date +%s) - t )) s): $(grep -c ' ok$' "$OUT/smoke.txt") ok, $(grep -cE 'WRONG|ERROR' "$OUT/smoke.txt") bad")
+  cat "$OUT/smoke.txt"
+  if [ $rc = 124 ] || [ $rc = 137 ]; then   # a hang: leave the last family out of the GPU tests
+    echo "smoke: timed out after the line above; GPU tests run without the sm90 family" >&2
+    set -- "$@" -k "not sm90"
+  fi
+fi
+
 if has tests; then
   t=$(date +%s)
-  python3 -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/junit.xml" -ra "$@" >"$OUT/pytest.txt" 2>&1
+  guard=(); python3 -c "import pytest_timeout" 2>/dev/null && guard=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method thread)
+  timeout -k 10 "${TESTS_BUDGET:-1800}" python3 -m pytest -q -p no:cacheprovider tests/gpu --junitxml="$OUT/junit.xml" \
+    -ra "${guard[@]}" "$@" >"$OUT/pytest.txt" 2>&1
   rc=$?
   summary+=("gpu tests (rc=$rc, $(( $(date +%s) - t )) s): $(tail -1 "$OUT/pytest.txt")")
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
@@ -105,7 +122,8 @@ fi
 if has bench; then
   setup_flashinfer
   t=$(date +%s)
-  python3 benchmarks/bench.py $fi_flag --json "$OUT/bench.json" >"$OUT/bench.txt" 2>"$OUT/bench.err"
+  timeout -k 10 "${BENCH_BUDGET:-1800}" python3 benchmarks/bench.py $fi_flag ${BENCH_ARGS:-} --json "$OUT/bench.json" \
+    >"$OUT/bench.txt" 2>"$OUT/bench.err"
   summary+=("bench (rc=$?, $(( $(date +%s) - t )) s)")
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")

@@ -24,7 +24,8 @@ DATA = Path(__file__).resolve().parent / "data"
 MERGE_FP16 = AttentionSpec(op="merge_state", head_dim=64, dtype="fp16")
 MERGE_BF16 = AttentionSpec(op="merge_state", head_dim=64, dtype="bf16")
 APPEND_FP16 = AttentionSpec(op="append_kv", head_dim=64, page_size=16, dtype="fp16")
-PREFILL_D64 = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", mask="causal", group_size=1)
+PREFILL_D64 = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", mask="causal", group_size=1,
+                            family="fa2")
 GOLDEN_SPECS = (MERGE_FP16, MERGE_BF16, APPEND_FP16, PREFILL_D64)
 
 

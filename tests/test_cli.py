@@ -20,8 +20,8 @@ from tests.cpu_support import (APPEND_FP16, DATA, MERGE_BF16, MERGE_FP16, PREFIL
 
 SAMPLE_LOG = DATA / "sample_run.jsonl"
 # what the sample run dispatched: Llama-3-8B-shaped prefill and decode (bf16, page 16, 32 q / 8 kv heads)
-SAMPLE_SPECS = [
-    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4),
+SAMPLE_SPECS = [  # what the sample record ran: fa2 (a narrow prefill batch, and decode)
+    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4, family="fa2"),
     AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4),
 ]
 

@@ -14,7 +14,8 @@ import pytest
 
 from attnjit import generator
 from attnjit.cache import Cache, Job
-from attnjit.generator import INCLUDE_DIR, PARAMS, render, tiles_for
+from attnjit.families import tiles_for
+from attnjit.generator import INCLUDE_DIR, PARAMS, render
 from attnjit.specs import AttentionSpec, load_catalog
 from attnjit.toolchain import flags_for, nvcc
 from tests.cpu_support import PREFILL_D64, REPO, entry_dir

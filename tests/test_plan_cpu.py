@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from attnjit.errors import NoGPUError
-from attnjit.generator import tiles_for
+from attnjit.families import tiles_for
+from attnjit.generator import PARAMS
 from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
                                    BatchPrefillWithRaggedKVCacheWrapper)
 from attnjit.ops.scheduler import MIN_CHUNK, choose_chunk, plan_work
@@ -156,8 +157,9 @@ def test_seed_batch_plans_for_paged_prefill():
     w = BatchPrefillWithPagedKVCacheWrapper(workspace())
     w.plan(**paged_args())
     plan = w._plan
+    # 4 query rows x group 4 = 16 packed rows: a narrow batch, which runs on fa2 whatever the arch's default
     assert plan.spec == AttentionSpec(op="prefill", head_dim=128, page_size=4, dtype="fp16", mask="causal",
-                                      group_size=4)
+                                      group_size=4, family="fa2")
     assert (plan.batch_size, plan.total_q, plan.max_page) == (3, 8, 14)
     items = check_work(plan.work, qo_lens=[3, 1, 4], kv_lens=SEED_KV_LENS, group=4, tile=plan.work.tile,
                        causal=True, max_slots=10 ** 9, kv_bases=[0, 2, 3])
@@ -176,7 +178,7 @@ def test_seed_batch_plans_for_decode_and_ragged():
     r = BatchPrefillWithRaggedKVCacheWrapper(workspace())
     r.plan(**ragged_args())
     assert r._plan.spec == AttentionSpec(op="prefill", head_dim=64, dtype="fp16", kv="ragged", mask="causal",
-                                         group_size=4)
+                                         group_size=4, family="fa2")
     assert r._plan.total_kv == 17
     check_work(r._plan.work, qo_lens=[3, 1, 4], kv_lens=SEED_KV_LENS, group=4, tile=r._plan.work.tile,
                causal=True, max_slots=10 ** 9)
@@ -186,7 +188,7 @@ def test_hnd_layout_and_dtype_names_reach_the_spec():
     w = BatchPrefillWithPagedKVCacheWrapper(workspace(), kv_layout="HND")
     w.plan(**paged_args(q_data_type="bfloat16", causal=False))
     assert w._plan.spec == AttentionSpec(op="prefill", head_dim=128, page_size=4, dtype="bf16", layout="HND",
-                                         group_size=4)
+                                         group_size=4, family="fa2")
 
 
 @pytest.mark.parametrize("make,args,run_args", [
@@ -491,10 +493,10 @@ def test_causal_prefill_items_cover_every_q_tile_and_weigh_visible_keys():
 def test_grouped_rows_pack_into_q_tiles():
     # group 7 (28 q heads over 4): a token's 7 rows are packed; 2 tokens = 14 rows fit the 16-row narrow tile,
     # 3 tokens = 21 rows do not
-    spec = AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=7)
+    spec = AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=7, family="fa2")
     narrow, wide = tiles_for(spec)
     assert narrow.cta_q == 16 < wide.cta_q
-    w = BatchPrefillWithRaggedKVCacheWrapper(workspace())
+    w = BatchPrefillWithRaggedKVCacheWrapper(workspace(), backend="fa2")
     w.plan(qo_indptr=i32([0, 2]), kv_indptr=i32([0, 40]), num_qo_heads=28, num_kv_heads=4, head_dim_qk=128,
            q_data_type=torch.float16)
     assert w._plan.work.tile == narrow and w.last_plan["work_items"] == 1
@@ -512,7 +514,7 @@ def test_work_list_fast_path_equals_the_general_one():
     (longest first, stable) order as the general loop, which a huge fixed chunk forces."""
     import random
 
-    from attnjit.generator import tiles_for
+    from attnjit.families import tiles_for
     from attnjit.ops.scheduler import plan_work
     from attnjit.specs import AttentionSpec
 
@@ -558,7 +560,7 @@ def test_work_order_keeps_a_requests_q_tiles_together():
     """Causal prefill of 64 and 256 tokens (group 4, 128-row q tiles): the longer request's 8 q tiles come first,
     last tile first, then the shorter one's 2; a global longest-first order would interleave the two requests and
     make each wave of CTAs re-read both requests' K/V."""
-    from attnjit.generator import tiles_for
+    from attnjit.families import tiles_for
     from attnjit.ops.scheduler import plan_work
     from attnjit.specs import AttentionSpec
 
@@ -568,3 +570,45 @@ def test_work_order_keeps_a_requests_q_tiles_together():
     work = plan_work(qo_lens=[64, 256], kv_lens=[64, 256], qo_offsets=[0, 64], kv_bases=[0, 4], group=4,
                      tile=wide, causal=True, num_kv_heads=8, slots=16, max_slots=0, allow_split=False)
     assert [(r[0], r[1]) for r in work.records] == [(1, t) for t in range(7, -1, -1)] + [(0, 1), (0, 0)]
+
+
+# --- kernel families: which one a plan runs on ------------------------------------------------------------------
+
+def test_plan_picks_the_family_by_arch_batch_and_backend():
+    """On sm_90a a wide prefill batch runs on sm90 and a narrow one (decode-like rows) on fa2; backend= forces one
+    (FlashInfer's names: 'fa3' is attnjit's sm90); decode runs on fa2 whatever the backend; the record names it."""
+    wide = dict(qo_indptr=i32([0, 300]), paged_kv_indptr=i32([0, 19]), paged_kv_indices=i32(list(range(19))),
+                paged_kv_last_page_len=i32([12]), num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=16,
+                causal=True, q_data_type=torch.bfloat16)
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace())
+    w.plan(**wide)
+    assert w._plan.spec.family == "sm90" and w.last_plan["family"] == "sm90"
+    assert w.last_plan["tile"] == tiles_for(w._plan.spec)[0].name
+    assert w._plan.attn_values[PARAMS["attention"].index["work_count"]] == 0  # no GPU: pointers stay 0
+    w.plan(**paged_args())                    # 16 packed rows: fa2's narrow tile
+    assert w._plan.spec.family == "fa2"
+    for backend, family in (("fa2", "fa2"), ("fa3", "sm90"), ("sm90", "sm90"), ("auto", "sm90")):
+        f = BatchPrefillWithPagedKVCacheWrapper(workspace(), backend=backend)
+        f.plan(**wide)
+        assert f._plan.spec.family == family, backend
+    f = BatchPrefillWithPagedKVCacheWrapper(workspace(), backend="fa3")
+    f.plan(**paged_args())                    # forced: even a narrow batch
+    assert f._plan.spec.family == "sm90"
+    d = BatchDecodeWithPagedKVCacheWrapper(workspace(), backend="fa3")
+    d.plan(**decode_args())
+    assert d._plan.spec.family == "fa2"
+    for bad in ("fa4", "cudnn", None, 3):
+        with pytest.raises(ValueError, match="backend=.* is not supported"):
+            BatchPrefillWithPagedKVCacheWrapper(workspace(), backend=bad)
+
+
+def test_sm90_is_not_chosen_off_hopper(monkeypatch):
+    monkeypatch.setenv("ATTNJIT_ARCH", "sm_80")
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace())
+    w.plan(qo_indptr=i32([0, 300]), paged_kv_indptr=i32([0, 19]), paged_kv_indices=i32(list(range(19))),
+           paged_kv_last_page_len=i32([12]), num_qo_heads=32, num_kv_heads=8, head_dim_qk=128, page_size=16,
+           causal=True, q_data_type=torch.bfloat16)
+    assert w._plan.spec.family == "fa2" and w._plan.spec.arch == "sm_80"
+    f = BatchPrefillWithPagedKVCacheWrapper(workspace(), backend="fa3")
+    with pytest.raises(ValueError, match="backend='fa3' cannot run this plan: the sm90 family needs arch sm_90a"):
+        f.plan(**paged_args())

@@ -173,7 +173,7 @@ def test_canonical_form_is_one_string_per_spec():
     assert a.canonical() == b.canonical()
     assert a.canonical() == ('{"op":"prefill","head_dim_qk":128,"head_dim_vo":128,"page_size":16,"dtype_q":"bf16",'
                              '"dtype_kv":"bf16","dtype_o":"bf16","mask":"causal","layout":"NHD","kv":"paged",'
-                             '"group_size":4,"arch":"sm_90a"}')
+                             '"group_size":4,"family":"sm90","arch":"sm_90a"}')
     # mask is only part of prefill's canonical form (it is always "none" elsewhere)
     assert "mask" not in AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="fp16").canonical()
 
@@ -317,7 +317,7 @@ def test_missing_catalog_file_is_a_catalog_error(tmp_path):
         load_catalog(tmp_path / "nope.toml")
 
 
-@pytest.mark.parametrize("name,count", [("default.toml", 30), ("ci.toml", 4), ("bench.toml", 2)])
+@pytest.mark.parametrize("name,count", [("default.toml", 42), ("ci.toml", 5), ("bench.toml", 21)])
 def test_committed_catalogs_load(name, count):
     specs = load_catalog(REPO / "specs" / name)
     assert len(specs) == count == len(set(specs))
@@ -338,10 +338,23 @@ def test_gpu_test_catalog_is_in_sync_with_the_gpu_cases():
     assert load_catalog(REPO / "specs" / "gpu-tests.toml") == all_specs()
 
 
-def test_bench_catalog_is_part_of_the_default_catalog():
+def test_ci_catalog_is_part_of_the_default_catalog():
     default = set(load_catalog(REPO / "specs" / "default.toml"))
-    assert set(load_catalog(REPO / "specs" / "bench.toml")) <= default
     assert set(load_catalog(REPO / "specs" / "ci.toml")) <= default
+
+
+def test_a_catalog_without_family_warms_every_family_plan_may_dispatch():
+    """On sm_90a a prefill spec runs on sm90, and on fa2 for decode-like batches: a table that names no family gives
+    both; on sm_80 only fa2; decode only fa2; a table that names a family gives just that one."""
+    from attnjit.families import for_batch
+
+    hopper = load_catalog(REPO / "specs" / "ci.toml", arch="sm_90a")
+    prefill = [s for s in hopper if s.op == "prefill"]
+    assert {s.family for s in prefill} == {"fa2", "sm90"}
+    sm90 = next(s for s in prefill if s.family == "sm90")
+    assert for_batch(sm90, forced=None, max_packed_rows=4) == "fa2" and sm90.replace(family="fa2") in prefill
+    assert {s.family for s in load_catalog(REPO / "specs" / "ci.toml", arch="sm_80") if s.family} == {"fa2"}
+    assert {s.family for s in hopper if s.op == "decode"} == {"fa2"}
 
 
 def test_dump_catalog_round_trips(tmp_path):
@@ -366,8 +379,9 @@ def test_a_catalog_of_12288_specs_loads_in_linear_time(tmp_path):
     path = tmp_path / "big.toml"
     path.write_text('[[spec]]\nop = "prefill"\nhead_dim = [64, 128, 256]\npage_size = [1, 2, 4, 8, 16, 32, 64, 128]\n'
                     f'dtype = ["fp16", "bf16"]\ngroup_size = {list(range(1, 65))}\nmask = ["none", "causal"]\n'
-                    'layout = ["NHD", "HND"]\n\n[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n'
-                    '\n[[spec]]\nop = "prefill"\nhead_dim = 64\npage_size = 1\ndtype = "fp16"\n')  # a repeat
+                    'layout = ["NHD", "HND"]\nfamily = "fa2"\n\n[[spec]]\nop = "merge_state"\nhead_dim = 64\n'
+                    'dtype = "fp16"\n\n[[spec]]\nop = "prefill"\nhead_dim = 64\npage_size = 1\ndtype = "fp16"\n'
+                    'family = "fa2"\n')  # a repeat
     t0 = time.perf_counter()
     specs = load_catalog(path)
     elapsed = time.perf_counter() - t0

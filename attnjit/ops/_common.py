@@ -160,3 +160,18 @@ def spec_for(**fields: Any) -> AttentionSpec:
             _specs.clear()
         _specs[key] = spec
     return spec
+
+
+_with_family: dict[tuple, AttentionSpec] = {}
+
+
+def with_family(spec: AttentionSpec, family: str) -> AttentionSpec:
+    """``spec`` on another kernel family (memoized like spec_for: plan() asks every step)."""
+    key = (spec, family)
+    out = _with_family.get(key)
+    if out is None:
+        out = spec.replace(family=family)
+        if len(_with_family) > 256:
+            _with_family.clear()
+        _with_family[key] = out
+    return out

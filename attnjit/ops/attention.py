@@ -17,12 +17,14 @@ import torch
 
 from .. import dispatch, knobs
 from ..errors import NoGPUError
-from ..generator import PARAMS, Tile, attention_layout, tiles_for, variant_param_name
+from .. import families
+from ..generator import PARAMS, attention_layout, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from ._variants import Binding, bind, check_value
 from ._common import (SPEC_DTYPE, PagedCache, as_dtype, check_head_dim, check_heads, check_indptr, check_layout,
-                      check_metadata, check_page_size, check_tensor, spec_for, unpack_paged_cache, unsupported)
+                      check_metadata, check_page_size, check_tensor, spec_for, unpack_paged_cache, unsupported,
+                      with_family)
 from .scheduler import WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
@@ -57,7 +59,7 @@ class _Plan:
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
 
     def decision(self) -> dict:
-        return self.work.decision(self.num_kv_heads)
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads)}
 
 
 def _check_causal(qo: list[int], kv_lens: list[int]) -> None:
@@ -79,8 +81,10 @@ class _AttentionWrapper:
     _op = "prefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto"):
         check_tensor("float_workspace_buffer", float_workspace_buffer)
+        self._family = families.for_backend(backend)  # None: each plan's default (families.for_batch)
+        self._backend = backend
         if isinstance(variant, str):
             variant = resolve_variant(variant)
         if variant is not None and not isinstance(variant, Variant):
@@ -101,7 +105,7 @@ class _AttentionWrapper:
         self._graph_grid: int | None = None  # fixed attention grid.x
         self._graph_batch: int | None = None
         self._graph_spec: AttentionSpec | None = None
-        self._graph_tile: Tile | None = None
+        self._graph_tile = None  # the family's tile of the first plan
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
@@ -166,16 +170,23 @@ class _AttentionWrapper:
         on_gpu = self._device.type == "cuda"
         if on_gpu and not torch.cuda.is_available():
             raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
-        tiles = tiles_for(spec)
-        max_rows = max((q * group for q in qo_lens), default=0)
-        fitting = [t for t in tiles if max_rows <= t.cta_q] or [tiles[-1]]
-        tile: Tile = fitting[0]
-        if len(fitting) > 1 and fitting[1].tag == "deep" and not self._use_cuda_graph:
-            # decode: the deep-pipeline tile when the batch alone cannot fill the GPU (the split-KV case)
-            _, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
-            items = sum(-(-(q * group) // tile.cta_q) for q in qo_lens if q) * num_kv_heads
-            if items < per_sm * sms and not disable_split_kv:
-                tile = fitting[1]
+
+        # the kernel family: the wrapper's backend, else the spec's default for this batch (graph mode: the first
+        # plan's, which the captured graph replays)
+        forced = self._graph_spec.family if self._use_cuda_graph and self._graph_spec is not None else self._family
+        family = families.for_batch(spec, forced=forced, max_packed_rows=max((q * group for q in qo_lens), default=0),
+                                    backend=self._backend)
+        if family != spec.family:
+            spec = with_family(spec, family)
+
+        def capacity(t) -> int:  # resident CTAs of tile t over all SMs
+            _, per_sm, sms = self._kernel_for(spec, t, on_gpu)
+            return per_sm * sms
+
+        # the deep decode tile serves split-KV batches; graph mode keeps the tile of its first plan
+        tile = families.get(spec.family).choose_tile(
+            spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
+            allow_split=not disable_split_kv and not self._use_cuda_graph, capacity=capacity)
         if self._use_cuda_graph:
             # a captured graph replays the kernel it captured: later plans keep its spec and tile
             if self._graph_spec is None:
@@ -210,7 +221,7 @@ class _AttentionWrapper:
         self._prepare_launch(plan, kernel, ptr, sm_scale, max_slots, per_sm * sms)
         self._plan = plan
 
-    def _kernel_for(self, spec: AttentionSpec, tile: Tile, on_gpu: bool) -> tuple[Any, int, int]:
+    def _kernel_for(self, spec: AttentionSpec, tile, on_gpu: bool) -> tuple[Any, int, int]:
         """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module."""
         if not on_gpu:
             return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)
@@ -285,10 +296,13 @@ class _AttentionWrapper:
         work = plan.work
         d, hq = plan.head_dim, plan.num_qo_heads
         ws = self._workspace.data_ptr() if kernel is not None else 0
+        persistent = getattr(families.get(plan.spec.family), "PERSISTENT", False)
         if self._use_cuda_graph:
             if self._graph_grid is None:
                 self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
             grid_x = self._graph_grid
+        elif persistent:  # one resident CTA per slot walks the list (work_count items)
+            grid_x = min(work.num_items * plan.num_kv_heads, slots)
         else:
             grid_x = work.num_items * plan.num_kv_heads
         if kernel is not None:
@@ -301,7 +315,7 @@ class _AttentionWrapper:
         plan.attn_values = plan.layout.values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
             kv_indices=ptr.get("kv_indices", 0), work=ptr["work"],
-            work_count=ptr["work_count"] if self._use_cuda_graph else 0,  # 0: the grid is the work list
+            work_count=ptr["work_count"] if self._use_cuda_graph or persistent else 0,  # 0: the grid is the list
             merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
             kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
             sm_scale_log2=sm_scale * _LOG2E, **fixed)
@@ -479,7 +493,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None,
                  variant: Variant | str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant)
+                         variant=variant, backend=backend)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
@@ -536,7 +550,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
                  *, max_work_items: int | None = None, variant: Variant | str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant)
+                         variant=variant, backend=backend)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
@@ -591,7 +605,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant)
+                         variant=variant, backend=backend)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 

@@ -17,16 +17,15 @@ share its K/V in L2, and the tail of the list is still the cheapest items.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
-from ..generator import Tile
 
 MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
 
 
 @dataclass
 class WorkPlan:
-    tile: Tile
+    tile: Any                      # the kernel family's tile (cta_q, cta_kv, name)
     # one record per work item (12 ints, the kernel's AttentionCTA::setup): request, q tile, kv begin, kv end,
     # chunk-0 partial slot or -1, chunk, chunks, group, first query row, query rows, kv length, kv base
     records: list[tuple[int, ...]] = field(default_factory=list)
@@ -92,7 +91,7 @@ def item_cost(rec: Sequence[int], *, cta_q: int, group: int, causal: bool) -> in
 
 
 def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int],
-              kv_bases: Sequence[int], group: int, tile: Tile, causal: bool, num_kv_heads: int, slots: int,
+              kv_bases: Sequence[int], group: int, tile: Any, causal: bool, num_kv_heads: int, slots: int,
               max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
     """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i]); ``kv_bases[i]``
     its first page-table entry (paged) or first kv row (ragged)."""

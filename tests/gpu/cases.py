@@ -11,6 +11,10 @@ import torch
 
 from attnjit.specs import AttentionSpec
 
+# The kernel families of the matrix, and the wrapper backend that runs each (FlashInfer's names)
+FAMILIES = ("fa2", "sm90")
+BACKEND = {"fa2": "fa2", "sm90": "fa3"}
+
 SEED_QO, SEED_KV = (3, 1, 4), (6, 2, 9)                       # the seed's three requests
 MIXED_QO = (17, 1, 0, 64, 1, 33, 2, 1, 0)                     # chunked prefill + decode rows + empty requests
 MIXED_KV = (40, 1, 5, 64, 300, 1000, 2, 129, 0)
@@ -42,17 +46,23 @@ class Case:
     def id(self) -> str:
         return self.name
 
-    def spec(self) -> AttentionSpec:
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The kernel families this case runs on (its axis in the matrix): prefill on both, decode on fa2."""
+        return ("fa2",) if self.kind == "decode" else FAMILIES
+
+    def spec(self, family: str = "fa2") -> AttentionSpec:
         dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
         group = self.heads[0] // self.heads[1]
         if self.kind == "decode":
             return AttentionSpec(op="decode", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
-                                 layout=self.layout, group_size=group)
+                                 layout=self.layout, group_size=group, family=family)
         if self.kind == "ragged":
             return AttentionSpec(op="prefill", head_dim=self.head_dim, dtype=dt, kv="ragged", group_size=group,
-                                 mask="causal" if self.causal else "none")
+                                 mask="causal" if self.causal else "none", family=family)
         return AttentionSpec(op="prefill", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
-                             layout=self.layout, group_size=group, mask="causal" if self.causal else "none")
+                             layout=self.layout, group_size=group, mask="causal" if self.causal else "none",
+                             family=family)
 
 
 _P = Case("base", "paged", MIXED_QO, MIXED_KV)
@@ -125,6 +135,8 @@ DECODE = [
     replace(_D, name="decode-logits-1000-fp16", offset=-1000.0, dtype=F16, kv_lens=DEC_MED, split="force"),
 ]
 ALL = PAGED + RAGGED + DECODE
+# every case on each of its families: the matrix the GPU tests run
+MATRIX = [(c, f) for c in ALL for f in c.families]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [
@@ -172,10 +184,14 @@ class VariantCase:
         return {"softcap": builtin.SOFTCAP, "window": builtin.SLIDING_WINDOW, "alibi": builtin.ALIBI,
                 "custom_mask": builtin.CUSTOM_MASK}.get(self.feature) or self.variant
 
-    def spec(self) -> AttentionSpec:
+    @property
+    def families(self) -> tuple[str, ...]:
+        return ("fa2",) if self.kind == "decode" else FAMILIES
+
+    def spec(self, family: str = "fa2") -> AttentionSpec:
         base = replace(_P if self.kind == "paged" else _R if self.kind == "ragged" else _D, dtype=self.dtype,
                        causal=self.causal and self.feature != "custom_mask" and self.kind != "decode")
-        return base.spec().replace(variant=self.builtin_variant)
+        return base.spec(family).replace(variant=self.builtin_variant)
 
 
 VARIANTS = [
@@ -193,9 +209,12 @@ VARIANTS = [
 ]
 
 
+VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    for s in [c.spec() for c in ALL] + EXTRA_SPECS + [c.spec() for c in VARIANTS]:
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX]:
         if s not in out:
             out.append(s)
     return out

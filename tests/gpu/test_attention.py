@@ -12,7 +12,7 @@ import attnjit
 from attnjit import reference
 
 from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
-from .cases import ALL, Case
+from .cases import BACKEND, MATRIX, Case
 
 DEV = "cuda"
 
@@ -31,14 +31,14 @@ def _cache_arg(cache: torch.Tensor, as_tuple: bool):
     return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
 
 
-def run_case(case: Case, workspace, seed: int):
+def run_case(case: Case, workspace, seed: int, family: str = "fa2"):
     hq, hkv = case.heads
     d = case.head_dim
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                                                     head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
                                                     offset=case.offset)
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace)
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family])
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), hq, hkv, d, causal=case.causal, q_data_type=case.dtype,
                **_split_kwargs(case))
         out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
@@ -53,10 +53,10 @@ def run_case(case: Case, workspace, seed: int):
     cache = _cache_arg(b.cache, as_tuple=case.dtype == torch.float16)
     out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
     if case.kind == "decode":
-        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
         w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **_split_kwargs(case))
     else:
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout)
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
         w.plan(qo_t, kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, causal=case.causal, q_data_type=case.dtype,
                **_split_kwargs(case))
     w.run(b.q, cache, out=out, lse=lse)
@@ -66,10 +66,12 @@ def run_case(case: Case, workspace, seed: int):
     return w, out, lse, ref_o, ref_lse
 
 
-@pytest.mark.parametrize("case", ALL, ids=lambda c: c.name)
-def test_matches_reference(case: Case, workspace):
-    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(case.name.encode()) % 1000)
+@pytest.mark.parametrize("case,family", MATRIX, ids=[f"{c.name}-{f}" for c, f in MATRIX])
+def test_matches_reference(case: Case, family: str, workspace):
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(case.name.encode()) % 1000,
+                                           family=family)
     torch.cuda.synchronize()
+    assert w.last_plan["family"] == family and w._plan.spec == case.spec(family)
     assert_close(out, ref_o, case.dtype)
     assert_lse_close(lse, ref_lse)
     decision = w.last_plan
@@ -196,11 +198,12 @@ def test_cuda_graph_decode_replays_after_replan(workspace):
     assert decisions[1] and not decisions[0], "the second plan should split (long history), the first not"
 
 
-def test_cuda_graph_prefill_replays_after_replan(workspace):
+@pytest.mark.parametrize("family", ["fa2", "sm90"])
+def test_cuda_graph_prefill_replays_after_replan(workspace, family):
     ps, pool, dtype = 16, 400, torch.float16
     cache = _graph_pool(ps, pool, dtype)
     ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
-    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True, backend=BACKEND[family],
                                                     paged_kv_indices_buf=torch.zeros(pool, dtype=torch.int32,
                                                                                      device=DEV))
     total = 40
@@ -215,6 +218,7 @@ def test_cuda_graph_prefill_replays_after_replan(workspace):
         q = torch.randn(total, 32, 128, generator=torch.Generator().manual_seed(200 + step)).to(dtype).to(DEV)
         q_buf.copy_(q)
         graph = _replay(graph, w, q_buf, cache, out_buf)
+        assert w.last_plan["family"] == family
         ref, _ = reference.batch_paged(q, cache, qo_indptr, indptr, indices, last, page_size=ps, causal=True)
         assert_close(out_buf, ref, dtype, what=f"replay {step}")
 

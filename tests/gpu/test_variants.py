@@ -15,7 +15,7 @@ from attnjit import reference
 from attnjit.reference import Hooks
 
 from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
-from .cases import DEC_MED, MIXED_KV, MIXED_QO, VARIANTS, VariantCase
+from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VariantCase
 
 DEV = "cuda"
 H_Q, H_KV, D = 32, 8, 128
@@ -64,8 +64,9 @@ def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
             "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
 
 
-@pytest.mark.parametrize("case", VARIANTS, ids=lambda c: c.name)
-def test_variant_matches_reference(case: VariantCase, workspace):
+@pytest.mark.parametrize("case,family", VARIANT_MATRIX, ids=[f"{c.name}-{f}" for c, f in VARIANT_MATRIX])
+def test_variant_matches_reference(case: VariantCase, family: str, workspace):
+    backend = BACKEND[family]
     seed = zlib.crc32(case.name.encode()) % 1000
     gen = torch.Generator().manual_seed(seed)
     dtype = case.dtype
@@ -83,7 +84,7 @@ def test_variant_matches_reference(case: VariantCase, workspace):
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(qo_lens, kv_lens, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
                                                     dtype=dtype, device=DEV, seed=seed)
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant)
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), H_Q, H_KV, D, causal=case.causal, q_data_type=dtype,
                **plan_args(case, mask_flat), **split)
         out = poisoned(q.shape, dtype, DEV)
@@ -95,10 +96,10 @@ def test_variant_matches_reference(case: VariantCase, workspace):
                        device=DEV, seed=seed)
         qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
         if case.kind == "decode":
-            w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, variant=case.variant)
+            w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
             w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **plan_args(case, None), **split)
         else:
-            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant)
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
             w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=case.causal, q_data_type=dtype,
                    **plan_args(case, mask_flat), **split)
         q = b.q
@@ -109,7 +110,7 @@ def test_variant_matches_reference(case: VariantCase, workspace):
         ref_o, ref_lse = reference.batch_paged(q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                                page_size=16, causal=causal, hooks=hooks)
     torch.cuda.synchronize()
-    assert w._plan.spec.variant is not None
+    assert w._plan.spec.variant is not None and w.last_plan["family"] == family
     if case.split == "force":
         assert w.last_plan["split_kv"], w.last_plan
     if hooks.use_softmax:

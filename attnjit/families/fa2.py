@@ -1,0 +1,136 @@
+"""The fa2 kernel family: mma.sync m16n8k16 + cp.async (sm_80 and up), FlashAttention-2's shape.
+
+What it supports (every attention spec), its tile configurations, how plan() picks one for a batch, and its template.
+The CUDA is ``templates/include/attnjit/fa2/*.cuh`` over the shared headers (work items, loaders, split-KV merge).
+
+Two tile shapes:
+  * narrow (decode; prefill of a few packed rows): warps split the KV tile, one 16- or 32-row block per group;
+  * wide (prefill): 4 warps split 64 or 128 q rows, each warp sweeps the whole KV tile.
+Decode adds a deep-pipeline narrow tile for batches that cannot fill the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from ..specs import AttentionSpec
+
+NAME = "fa2"
+TEMPLATE = "fa2/attention.cu.jinja"
+
+
+def unsupported(spec: "AttentionSpec") -> str | None:
+    """Why this family cannot build ``spec`` (None: it can). fa2 serves every attention spec on sm_80 and up."""
+    return None
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One fa2 kernel instance's tiling; mirrors ``AttentionTraits`` (the template static_asserts it)."""
+
+    head_dim: int
+    page_size: int  # 0 for ragged KV (no page ids to stage)
+    warps_q: int
+    warps_kv: int
+    mma_q: int
+    mma_kv: int
+    stages: int
+    min_blocks: int
+    tag: str = ""   # tells apart two tiles of one shape in one module (e.g. "deep": a longer pipeline)
+
+    @property
+    def cta_q(self) -> int:
+        return self.warps_q * self.mma_q * 16
+
+    @property
+    def cta_kv(self) -> int:
+        return self.warps_kv * self.mma_kv * 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_q * self.warps_kv
+
+    @property
+    def smem(self) -> int:
+        d = self.head_dim
+        pipe = 2 * self.stages * self.cta_kv * d * 2
+        merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
+        pages_per_tile = (self.cta_kv // self.page_size if self.cta_kv > self.page_size else 1) if self.page_size else 0
+        page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
+        return self.cta_q * d * 2 + page_smem + max(pipe, merge)
+
+    @property
+    def name(self) -> str:
+        base = f"q{self.cta_q}_kv{self.cta_kv}_w{self.warps_q}x{self.warps_kv}"
+        return f"{base}_{self.tag}" if self.tag else base
+
+    @property
+    def kernel(self) -> str:
+        return f"attnjit_attention_{self.name}"
+
+
+def narrow_tile(head_dim: int, page_size: int, group_size: int) -> Tile:
+    """Few packed rows (decode; prefill of 1-2 tokens): warps split the KV tile, one row block per group."""
+    rows = -(-group_size // 16) * 16
+    stages = {64: 4, 128: 3, 256: 2}[head_dim]
+    min_blocks = 1 if head_dim == 256 else 2
+    if rows <= 32:
+        return Tile(head_dim, page_size, warps_q=1, warps_kv=4, mma_q=rows // 16, mma_kv=1, stages=stages,
+                    min_blocks=min_blocks)
+    return Tile(head_dim, page_size, warps_q=rows // 16, warps_kv=1, mma_q=1, mma_kv=4, stages=2,
+                min_blocks=min_blocks)
+
+
+def deep_decode_tile(head_dim: int, page_size: int, group_size: int) -> Tile | None:
+    """The decode tile for batches too small to fill the GPU (split-KV): one stage more and one CTA per SM, so each
+    SM keeps more KV bytes in flight with fewer CTAs (measured on the H200 at head_dim 128: 1x32768 2.97 -> 3.24
+    TB/s, 16x4096 3.93 -> 4.09; the same tile loses on full batches, 64x4096 4.41 -> 4.26). None elsewhere."""
+    narrow = narrow_tile(head_dim, page_size, group_size)
+    if head_dim != 128 or narrow.warps_kv != 4:
+        return None
+    return replace(narrow, stages=narrow.stages + 1, min_blocks=1, tag="deep")
+
+
+def wide_tile(head_dim: int, page_size: int) -> Tile:
+    """Many packed rows (prefill): warps split the q rows, each warp sweeps the whole KV tile."""
+    if head_dim == 256:
+        return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=1, mma_kv=2, stages=2, min_blocks=1)
+    return Tile(head_dim, page_size, warps_q=4, warps_kv=1, mma_q=2, mma_kv=4, stages=2,
+                min_blocks=2 if head_dim == 64 else 1)
+
+
+@functools.lru_cache(maxsize=512)
+def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
+    """Kernel instances a spec's module holds, narrowest first (memoized: plan() asks every step)."""
+    page_size = spec.page_size or 0
+    narrow = narrow_tile(spec.head_dim_qk, page_size, spec.group_size)
+    if spec.op == "decode":
+        deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size)
+        return (narrow, deep) if deep else (narrow,)
+    wide = wide_tile(spec.head_dim_qk, page_size)
+    return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
+
+
+def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,
+                capacity: Callable[[Tile], int]) -> Tile:
+    """The tile plan() runs for a batch: the narrowest whose rows hold every request's packed rows (else the widest);
+    for decode, the deep tile when the batch alone cannot fill the GPU (``capacity(tile)`` = resident CTAs over all
+    SMs, the split-KV case)."""
+    all_tiles = tiles(spec)
+    group = spec.group_size
+    max_rows = max((q * group for q in qo_lens), default=0)
+    fitting = [t for t in all_tiles if max_rows <= t.cta_q] or [all_tiles[-1]]
+    tile = fitting[0]
+    if len(fitting) > 1 and fitting[1].tag == "deep" and allow_split:
+        items = sum(-(-(q * group) // tile.cta_q) for q in qo_lens if q) * num_kv_heads
+        if items < capacity(tile):
+            tile = fitting[1]
+    return tile
+
+
+def context(spec: "AttentionSpec") -> dict:
+    """The template's render context beyond the spec's common constants."""
+    return {"tiles": tiles(spec)}

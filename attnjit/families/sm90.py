@@ -1,0 +1,92 @@
+"""The sm90 kernel family: wgmma + warp specialization (sm_90a), FlashAttention-3's shape, for prefill.
+
+One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared memory with cp.async, completing on
+mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
+tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent.
+
+Decode stays on fa2 (memory-bound; its narrow tiles), and so do prefill batches whose requests have few packed rows
+(``prefers``): a 128-row tile would compute mostly padding there.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+if TYPE_CHECKING:
+    from ..specs import AttentionSpec
+
+NAME = "sm90"
+TEMPLATE = "sm90/attention.cu.jinja"
+PERSISTENT = True   # one CTA per SM walks the work list (the grid is min(work, SMs))
+
+
+def unsupported(spec: "AttentionSpec") -> str | None:
+    """Why this family cannot build ``spec`` (None: it can)."""
+    if spec.arch != "sm_90a":
+        return f"the sm90 family needs arch sm_90a (wgmma, setmaxnreg), not {spec.arch}"
+    if spec.op != "prefill":
+        return "the sm90 family is for prefill; decode runs on fa2 (memory-bound, narrow tiles)"
+    return None
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One sm90 kernel instance; mirrors ``Sm90Traits`` (the template static_asserts it)."""
+
+    head_dim: int
+    page_size: int   # 0 for ragged KV
+    cta_kv: int      # kv tokens per tile (wgmma N of S = Q K^T)
+    stages: int      # K and V tiles in flight, each in its own ring
+    consumers: int = 2
+    min_blocks: int = 1
+
+    @property
+    def cta_q(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 * (self.consumers + 1)
+
+    @property
+    def smem(self) -> int:
+        q = self.cta_q * self.head_dim * 2
+        kv = self.cta_kv * self.head_dim * 2
+        barriers = 2 + 4 * self.stages
+        return q + 2 * self.stages * kv + barriers * 8 + 1024
+
+    @property
+    def name(self) -> str:
+        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}_ws"
+
+    @property
+    def kernel(self) -> str:
+        return f"attnjit_sm90_{self.name}"
+
+
+@functools.lru_cache(maxsize=512)
+def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
+    d = spec.head_dim_qk
+    page_size = spec.page_size or 0
+    if d == 256:
+        return (Tile(d, page_size, cta_kv=64, stages=2),)
+    return (Tile(d, page_size, cta_kv=128, stages=2),)
+
+
+def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,
+                capacity: Callable[[Tile], int]) -> Tile:
+    return tiles(spec)[0]
+
+
+def prefers(spec: "AttentionSpec", max_packed_rows: int) -> bool:
+    """Whether a batch whose longest request has this many packed rows (query tokens x group) should run here rather
+    than on fa2: fa2's narrow tile (16 or 32 rows) serves decode-like batches without 128-row padding."""
+    from . import fa2
+
+    return max_packed_rows > fa2.narrow_tile(spec.head_dim_qk, spec.page_size or 0, spec.group_size).cta_q
+
+
+def context(spec: "AttentionSpec") -> dict:
+    return {"tiles": tiles(spec)}

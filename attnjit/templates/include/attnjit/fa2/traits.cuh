@@ -1,0 +1,68 @@
+// attnjit/fa2/traits.cuh: every tile and stage constant of one fa2 kernel instance, with its static_asserts.
+#pragma once
+#include "attnjit/paged.cuh"
+#include "attnjit/variant.cuh"
+
+namespace attnjit {
+
+// Every tile and stage constant of one fa2 kernel instance.
+template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_,
+          bool HND_, int NUM_WARPS_Q_, int NUM_WARPS_KV_, int NUM_MMA_Q_, int NUM_MMA_KV_, int NUM_STAGES_,
+          typename VARIANT_ = NoVariant>
+struct AttentionTraits {
+  using T = T_;    // q, k, v element type
+  using TO = TO_;  // output element type
+  using Variant = VARIANT_;  // hook policy (NoVariant: plain softmax attention)
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int GROUP = GROUP_;  // query heads per KV head
+  static constexpr bool CAUSAL = CAUSAL_;
+  static constexpr bool PAGED = PAGED_;
+  static constexpr int PAGE_SIZE = PAGE_SIZE_;
+  static constexpr int PAGE_SHIFT = ilog2(PAGE_SIZE_);
+  static constexpr bool HND = HND_;
+  static constexpr int NUM_WARPS_Q = NUM_WARPS_Q_;    // warps splitting the q rows of a tile
+  static constexpr int NUM_WARPS_KV = NUM_WARPS_KV_;  // warps splitting the kv columns of a tile
+  static constexpr int NUM_MMA_Q = NUM_MMA_Q_;        // m16 row blocks per warp
+  static constexpr int NUM_MMA_KV = NUM_MMA_KV_;      // 16-column kv blocks per warp per tile
+  static constexpr int NUM_STAGES = NUM_STAGES_;      // cp.async pipeline depth for K/V tiles
+  static constexpr int NUM_WARPS = NUM_WARPS_Q * NUM_WARPS_KV;
+  static constexpr int NUM_THREADS = 32 * NUM_WARPS;
+  static constexpr int WARP_ROWS = NUM_MMA_Q * 16;
+  static constexpr int WARP_COLS = NUM_MMA_KV * 16;
+  static constexpr int CTA_Q = NUM_WARPS_Q * WARP_ROWS;    // packed rows per work item
+  static constexpr int CTA_KV = NUM_WARPS_KV * WARP_COLS;  // kv tokens per pipeline stage
+  static constexpr int CHUNKS = HEAD_DIM / 8;              // 16-byte chunks per row
+  static constexpr int ROW_BYTES = HEAD_DIM * 2;           // one row of a Q/K/V tile in shared memory
+  // page ids of a KV tile, staged in shared memory by cp.async several tiles ahead of their use
+  static constexpr int PAGES_PER_TILE = PAGED ? (CTA_KV > PAGE_SIZE ? CTA_KV / PAGE_SIZE : 1) : 0;
+  static constexpr int PAGE_RING = 2 * NUM_STAGES;         // tiles whose page ids are resident
+  static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
+  static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
+  static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, one stage
+  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_TILE_SMEM;
+  // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
+  // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
+  static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
+  static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
+  // tile loads (Q, K, V): 8 threads per row, thread t copies chunks t % 8 + 8 j (j < CHUNKS / 8) of one row, so
+  // 8 neighbouring threads write 8 different bank groups, and one address serves a row's CHUNKS / 8 copies
+  static constexpr int LOAD_CPT = CHUNKS / 8;                     // 16-byte copies per thread per row
+  static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / 8;        // rows one pass of the CTA's threads covers
+  static constexpr int KV_PASSES = CTA_KV / KV_ROWS_PER_PASS;
+  static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
+  // the shared loaders' geometry (attnjit/kv_load.cuh): every thread copies; rows are contiguous in shared memory
+  static constexpr int LOAD_THREADS = NUM_THREADS;
+  static constexpr int Q_PITCH = ROW_BYTES, Q_STEP = 128, KV_PITCH = ROW_BYTES, KV_STEP = 128;
+
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "head_dim must be a multiple of 16, at least 64");
+  static_assert(NUM_THREADS % 8 == 0 && CHUNKS % 8 == 0, "a cp.async pass must cover whole rows");
+  static_assert(CTA_Q % KV_ROWS_PER_PASS == 0 || KV_ROWS_PER_PASS % CTA_Q == 0, "q rows and load passes must nest");
+  static_assert(CTA_KV % KV_ROWS_PER_PASS == 0, "the kv tile must be a whole number of cp.async passes");
+  static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
+  static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
+  static_assert(GROUP >= 1, "group size must be positive");
+  static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
+  static_assert(PAGES_PER_TILE <= NUM_THREADS, "one thread per staged page id");
+};
+
+}  // namespace attnjit

@@ -1,0 +1,206 @@
+// attnjit/kv_load.cuh: copying Q, K and V tiles (paged or ragged) into shared memory with cp.async, shared by every
+// kernel family. A family describes its tiles with a geometry struct G:
+//   T, HEAD_DIM, GROUP, CTA_Q, CTA_KV, PAGED, PAGE_SIZE, PAGE_SHIFT, HND, PAGES_PER_TILE, PAGE_RING,
+//   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1),
+//   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP (the tile layouts, see tile_offset).
+// Threads copy 8 to a row: thread tid copies chunks tid % 8 + 8 j (j < HEAD_DIM / 64) of rows tid / 8 + s * RPP
+// (RPP = LOAD_THREADS / 8 rows per pass), so 8 neighbouring threads write 8 different bank groups and one address
+// serves a row's HEAD_DIM / 64 copies.
+//
+// Paged KV: page ids of a tile are staged in a shared ring (PAGE_RING tiles of PAGES_PER_TILE ids) by cp.async some
+// tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile.
+#pragma once
+#include "attnjit/common.cuh"
+#include "attnjit/paged.cuh"
+
+namespace attnjit {
+
+// Shared-memory tiles are rows of HEAD_DIM elements in 16-byte chunks, XOR-swizzled within groups of 8 chunks
+// (128 bytes) so that 8 consecutive rows at one chunk land in 8 different bank groups. Byte offset of chunk c of
+// row r:  r * PITCH + (c / 8) * STEP + ((c % 8) ^ (r % 8)) * 16.
+//   fa2:  PITCH = 2 * HEAD_DIM (a row is contiguous), STEP = 128.
+//   sm90: PITCH = 128, STEP = rows * 128: HEAD_DIM / 64 column blocks of [rows][64], which is wgmma's and TMA's
+//         128-byte swizzle when the tile is 1024-byte aligned.
+template <int PITCH, int STEP>
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
+  return static_cast<uint32_t>(row * PITCH + (chunk >> 3) * STEP + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// Q rows of item `it` (packed rows packed_row0 .. + CTA_Q) into the tile at shared address `base`; rows past the
+// item are zero-filled.
+template <typename G, typename Item>
+__device__ __forceinline__ void gather_q(const Item& it, uint32_t base, unsigned tid) {
+  using T = typename G::T;
+  const auto& p = it.p;
+  const T* q = reinterpret_cast<const T*>(p.q);
+  constexpr int RPP = G::LOAD_THREADS / 8;  // rows one pass of the loading threads covers
+  constexpr int CPT = G::HEAD_DIM / 64;     // 16-byte copies per thread per row
+  const int c0 = tid % 8, r0 = tid / 8;
+  if constexpr (RPP % G::GROUP == 0 && G::CTA_Q % RPP == 0 && G::CTA_Q % G::GROUP == 0) {
+    // rows r0 + k * RPP of one thread share a query head and advance by RPP / GROUP tokens: one 64-bit add each
+    const int pr0 = it.packed_row0 + r0;
+    const T* src0 = q + (it.q_begin + pr0 / G::GROUP) * p.q_stride_n +
+                    (static_cast<int64_t>(it.kv_head) * G::GROUP + pr0 % G::GROUP) * p.q_stride_h + c0 * 8;
+    const int64_t step = (RPP / G::GROUP) * p.q_stride_n;
+    const uint32_t dst0 = base + tile_offset<G::Q_PITCH, G::Q_STEP>(r0, c0);  // rows r0 + k * RPP: same r & 7
+#pragma unroll
+    for (int k = 0; k < G::CTA_Q / RPP; ++k) {
+      const bool valid = pr0 + k * RPP < it.rows_total;
+      const T* src = valid ? src0 + k * step : q;
+      const uint32_t dst = RPP % 8 == 0 ? dst0 + k * RPP * G::Q_PITCH
+                                        : base + tile_offset<G::Q_PITCH, G::Q_STEP>(r0 + k * RPP, c0);
+#pragma unroll
+      for (int j = 0; j < CPT; ++j) cp_async_16(dst + j * G::Q_STEP, src + j * 64, valid);
+    }
+  } else {
+    for (int r = r0; r < G::CTA_Q; r += RPP) {
+      const int pr = it.packed_row0 + r;
+      const bool valid = pr < it.rows_total;
+      const int64_t tok = it.q_begin + pr / G::GROUP;
+      const int64_t h = static_cast<int64_t>(it.kv_head) * G::GROUP + pr % G::GROUP;
+      const T* src = valid ? q + tok * p.q_stride_n + h * p.q_stride_h + c0 * 8 : q;
+      const uint32_t dst = base + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c0);
+#pragma unroll
+      for (int j = 0; j < CPT; ++j) cp_async_16(dst + j * G::Q_STEP, src + j * 64, valid);
+    }
+  }
+}
+
+// Apply the variant's query transform to the Q tile in shared memory (once per work item, before use), on
+// `nthreads` threads.
+template <typename G, typename Item>
+__device__ __forceinline__ void transform_q_tile(const Item& it, uint8_t* q_tile, unsigned tid, int nthreads) {
+  using T = typename G::T;
+  constexpr int CHUNKS = G::HEAD_DIM / 8;
+  for (int i = tid; i < G::CTA_Q * CHUNKS; i += nthreads) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    const int pr = it.packed_row0 + r;
+    if (pr >= it.rows_total) continue;
+    T* ptr = reinterpret_cast<T*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c));
+    float x[8];
+    load8<T>(ptr, x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      x[e] = it.var.query_transform(x[e], c * 8 + e, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req, it.qo_head_of(pr),
+                                    it.kv_head);
+    store8<T>(ptr, x);
+  }
+}
+
+// Stage the page ids of tile `tile` into its ring slot (cp.async; joins the caller's commit group).
+template <typename G, typename Item>
+__device__ __forceinline__ void stage_page_ids(const Item& it, int tile, int32_t* ring, unsigned tid) {
+  if constexpr (G::PAGED) {
+    if (tid < G::PAGES_PER_TILE) {
+      const int kv0 = it.kv_begin + tile * G::CTA_KV;
+      const int k = static_cast<int>(tid);
+      const bool valid = kv0 + k * G::PAGE_SIZE < it.kv_stop;
+      const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices);
+      const int32_t* src = indices + it.kv_base + (kv0 >> G::PAGE_SHIFT) + k;
+      const uint32_t dst = smem_u32(ring + (tile % G::PAGE_RING) * G::PAGES_PER_TILE + k);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(valid ? src : indices),
+                   "r"(valid ? 4 : 0));
+    }
+  }
+}
+
+// Whether a copy pass lies within one page (pages of at least a pass's rows): then every thread of pass s reads
+// page (s * RPP) / PAGE_SIZE of the tile, a constant index, instead of one page id per row.
+template <typename G>
+__host__ __device__ constexpr bool pass_in_page() {
+  constexpr int RPP = G::LOAD_THREADS / 8;
+  return G::PAGED && RPP <= G::PAGE_SIZE && (RPP & (RPP - 1)) == 0;
+}
+
+// The page ids of a tile's copy passes, read from the shared ring that stage_page_ids fills.
+template <typename G>
+struct RingPageIds {
+  const int32_t* pages;  // the tile's ring slot
+  int kv0, r0;           // the tile's first key, the thread's first row
+  __device__ __forceinline__ int operator()(int s) const {
+    constexpr int RPP = G::LOAD_THREADS / 8;
+    if constexpr (pass_in_page<G>()) return pages[(s * RPP) >> G::PAGE_SHIFT];
+    return pages[((kv0 + r0 + s * RPP) >> G::PAGE_SHIFT) - (kv0 >> G::PAGE_SHIFT)];
+  }
+};
+
+// The page ids of a tile's copy passes, in registers (load_page_ids fills them straight from the page table).
+template <int PASSES>
+struct RegPageIds {
+  int ids[PASSES];
+  __device__ __forceinline__ int operator()(int s) const { return ids[s]; }
+};
+
+// Load the page id of each of this thread's copy passes of tile `tile` (0 where the pass has no visible row).
+template <typename G, typename Item, int PASSES>
+__device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageIds<PASSES>& out, unsigned tid) {
+  if constexpr (G::PAGED) {
+    constexpr int RPP = G::LOAD_THREADS / 8;
+    const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices) + it.kv_base;
+    const int kv0 = it.kv_begin + tile * G::CTA_KV;
+#pragma unroll
+    for (int s = 0; s < PASSES; ++s) {
+      const int j = pass_in_page<G>() ? kv0 + s * RPP : kv0 + static_cast<int>(tid / 8) + s * RPP;
+      out.ids[s] = j < it.kv_stop ? __ldg(indices + (j >> G::PAGE_SHIFT)) : 0;
+    }
+  }
+}
+
+// Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs, reading page ids from page_id(s)
+// (RingPageIds or RegPageIds). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
+// LOAD_K / LOAD_V: which of the two to copy (a producer that feeds K and V through separate rings copies one).
+template <typename G, bool LOAD_K = true, bool LOAD_V = true, typename Item, typename PageIds>
+__device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const PageIds& page_id,
+                                          unsigned tid) {
+  using T = typename G::T;
+  constexpr int D = G::HEAD_DIM;
+  constexpr int RPP = G::LOAD_THREADS / 8;
+  constexpr int PASSES = G::CTA_KV / RPP;
+  constexpr int CPT = D / 64;
+  static_assert(G::CTA_KV % RPP == 0, "the kv tile must be a whole number of copy passes");
+  const auto& p = it.p;
+  const T* k = reinterpret_cast<const T*>(p.k);
+  const T* v = reinterpret_cast<const T*>(p.v);
+  const int kv0 = it.kv_begin + tile * G::CTA_KV;
+  const int c0 = tid % 8;
+  const int r0 = static_cast<int>(tid) / 8;
+  const uint32_t dst0 = r0 * G::KV_PITCH + ((c0 ^ (r0 & 7)) << 4);  // rows r0 + s * RPP: same r & 7
+  // paged, a pass within one page: pass s reads page id (s * RPP) / PAGE_SIZE of the tile (a constant index)
+  // at slot slot0 + r0 + (s * RPP) % PAGE_SIZE. Invalid rows keep an in-bounds address: their page id is 0 (the
+  // ring's are zero-filled when staged), or the tile's own page.
+  constexpr bool PASS_IN_PAGE = pass_in_page<G>();
+  int64_t thread_off = 0, slot_stride = 0;
+  if constexpr (PASS_IN_PAGE) {
+    slot_stride = G::HND ? D : p.kv_stride_1;
+    const int64_t head_stride = G::HND ? p.kv_stride_1 : D;
+    const int slot0 = G::PAGE_SIZE > G::CTA_KV ? (kv0 & (G::PAGE_SIZE - 1)) : 0;
+    thread_off = (slot0 + r0) * slot_stride + it.kv_head * head_stride + c0 * 8;
+  } else if constexpr (!G::PAGED) {
+    thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * 8;
+  }
+#pragma unroll
+  for (int s = 0; s < PASSES; ++s) {
+    const int r = r0 + s * RPP;
+    const bool valid = kv0 + r < it.kv_stop;
+    int64_t off;
+    if constexpr (PASS_IN_PAGE) {
+      const int page = page_id(s);
+      off = page * p.kv_stride_0 + thread_off + ((s * RPP) & (G::PAGE_SIZE - 1)) * slot_stride;
+    } else if constexpr (G::PAGED) {
+      const int j = kv0 + r;
+      const int page = page_id(s);
+      off = paged_offset<G::HND, D>(page, j & (G::PAGE_SIZE - 1), it.kv_head, p.kv_stride_0, p.kv_stride_1);
+      off = valid ? off + c0 * 8 : 0;
+    } else {
+      off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
+    }
+    const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * G::KV_PITCH : tile_offset<G::KV_PITCH, G::KV_STEP>(r, c0);
+#pragma unroll
+    for (int j = 0; j < CPT; ++j) {
+      if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
+      if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
+    }
+  }
+}
+
+}  // namespace attnjit

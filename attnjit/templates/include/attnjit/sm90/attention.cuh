@@ -1,0 +1,460 @@
+// attnjit/sm90/attention.cuh: the sm90 kernel family (sm_90a): warp-specialized batch prefill over a paged or
+// ragged KV cache with wgmma.
+//
+// The work item, its masks and output rows (attnjit/work.cuh), the Q/K/V copies (attnjit/kv_load.cuh) and the
+// split-KV merge (attnjit/split.cuh) are the shared ones; this header holds the sm90 roles:
+//   * producer warpgroup (128 threads, few registers): per work item, Q by cp.async into its tile, then the item's
+//     K and V tiles into two rings of NUM_STAGES stages (order K0, K1, V0, K2, V1, ...: the order the consumers use
+//     them), page ids one tile ahead in registers. Each copy batch completes on an mbarrier
+//     (cp.async.mbarrier.arrive); the consumers release a stage on its "empty" mbarrier.
+//   * two consumer warpgroups (64 packed rows each, most registers): S = Q K^T by wgmma from shared memory, online
+//     softmax in registers, O += P V by wgmma with P from registers. Within a warpgroup the softmax of tile j runs
+//     while the tensor cores compute P(j-1) V(j-1); between the two warpgroups a pair of named barriers hands the
+//     tensor cores back and forth (ping-pong), so one's softmax hides under the other's GEMMs.
+//   * a persistent grid: every CTA walks the plan's work list with stride gridDim.x (work_count items).
+// Math as in fa2 (base-2 online softmax, lse = m + log2 d, a row with no visible key gives o = 0, lse = -inf).
+#pragma once
+#include "attnjit/common.cuh"
+#include "attnjit/kv_load.cuh"
+#include "attnjit/sm90/traits.cuh"
+#include "attnjit/sm90/wgmma.cuh"
+#include "attnjit/split.cuh"
+#include "attnjit/variant.cuh"
+#include "attnjit/work.cuh"
+
+namespace attnjit {
+namespace sm90 {
+
+template <typename Tr>
+struct Smem {
+  uint8_t* base;  // 1024-byte aligned
+  __device__ __forceinline__ uint8_t* q() const { return base; }
+  __device__ __forceinline__ uint8_t* k(int s) const { return base + Tr::K_OFF + s * Tr::KV_BYTES; }
+  __device__ __forceinline__ uint8_t* v(int s) const { return base + Tr::V_OFF + s * Tr::KV_BYTES; }
+  __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + Tr::BAR_OFF) + i; }
+  __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
+  __device__ __forceinline__ uint64_t* q_empty() const { return bar(1); }
+  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(2 + Tr::NUM_STAGES + s); }
+  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(2 + 2 * Tr::NUM_STAGES + s); }
+  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(2 + 3 * Tr::NUM_STAGES + s); }
+};
+
+// A position in a ring of S stages: the stage and the parity of its current use.
+template <int S>
+struct Ring {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == S) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid.
+template <typename P, typename F>
+__device__ __forceinline__ void for_each_item(const P& p, F&& f) {
+  const int heads = static_cast<int>(p.num_kv_heads);
+  const int total = *reinterpret_cast<const int32_t*>(p.work_count) * heads;
+  for (int i = blockIdx.x; i < total; i += gridDim.x) f(i / heads, i % heads);
+}
+
+// ---- producer ---------------------------------------------------------------------------------------------------
+
+template <typename Tr, typename P>
+__device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
+  WorkItem<Tr, P> it(p);
+  const unsigned tid = threadIdx.x;  // 0..127
+  Ring<Tr::NUM_STAGES> kr, vr;
+  uint32_t q_phase = 0;
+  for_each_item(p, [&](int w, int head) {
+    it.kv_head = head;
+    if (!it.setup(w)) return;
+    mbar_wait(sm.q_empty(), q_phase ^ 1);  // the consumers are done with the last item's Q (and its O staging)
+    q_phase ^= 1;
+    gather_q<Tr>(it, smem_u32(sm.q()), tid);
+    mbar_arrive_cp_async(sm.q_full());
+    RegPageIds<Tr::KV_PASSES> next, cur, prev;
+    if (it.num_tiles > 0) load_page_ids<Tr>(it, 0, next, tid);
+    for (int t = 0; t < it.num_tiles; ++t) {
+      cur = next;
+      if (t + 1 < it.num_tiles) load_page_ids<Tr>(it, t + 1, next, tid);  // in flight while this tile issues
+      mbar_wait(sm.k_empty(kr.stage), kr.phase ^ 1);
+      gather_kv<Tr, true, false>(it, t, smem_u32(sm.k(kr.stage)), 0u, cur, tid);
+      mbar_arrive_cp_async(sm.k_full(kr.stage));
+      kr.advance();
+      if (t > 0) {
+        mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
+        gather_kv<Tr, false, true>(it, t - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
+        mbar_arrive_cp_async(sm.v_full(vr.stage));
+        vr.advance();
+      }
+      prev = cur;
+    }
+    if (it.num_tiles > 0) {
+      mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
+      gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
+      mbar_arrive_cp_async(sm.v_full(vr.stage));
+      vr.advance();
+    }
+  });
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// ---- consumers --------------------------------------------------------------------------------------------------
+
+template <typename Tr, typename P>
+struct Consumer {
+  using T = typename Tr::T;
+  using TO = typename Tr::TO;
+  using V = typename Tr::Variant;
+  static constexpr int D = Tr::HEAD_DIM;
+  static constexpr int N = Tr::CTA_KV;
+
+  WorkItem<Tr, P> it;
+  const Smem<Tr>& sm;
+  const int wg;                 // 0 or 1: which 64 rows of the Q tile
+  const unsigned ctid;          // 0..255 over both consumers
+  const int lane, row0;         // row0: this thread's first row in the Q tile (the other is row0 + 8)
+  float o[D / 2];               // O accumulator, wgmma m64nD layout: block j holds cols 8j + 2(lane%4) + {0,1}
+  float s[N / 2];               // S accumulator (then P in fp32), m64nN layout
+  uint32_t pf[N / 16][4];       // P as the A operand of P V (bf16/fp16 pairs), one k16 slice per entry
+  float m[2], l[2], alpha[2];   // running max (log2 units), this thread's partial row sums, last rescale
+
+  __device__ Consumer(const P& p, const Smem<Tr>& smem, int wg_)
+      : it(p),
+        sm(smem),
+        wg(wg_),
+        ctid(threadIdx.x - 128),
+        lane(threadIdx.x % 32),
+        row0(wg_ * Tr::WG_ROWS + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4) {}
+
+  // S = Q K^T over the head dim: D/16 k-slices, each a wgmma from the two 128-byte-swizzled tiles.
+  __device__ __forceinline__ void issue_qk(int stage) {
+    const uint32_t q_addr = smem_u32(sm.q()) + wg * Tr::WG_ROWS * 128;
+    const uint32_t k_addr = smem_u32(sm.k(stage));
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t a = smem_desc(q_addr + (kk / 4) * Tr::Q_STEP + (kk % 4) * 32, 16, 1024);
+      const uint64_t b = smem_desc(k_addr + (kk / 4) * Tr::KV_STEP + (kk % 4) * 32, 16, 1024);
+      wgmma_ss<N, T>(s, a, b, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+  }
+
+  // O += P V over the tile's kv rows: N/16 k-slices, V MN-major (rows are kv tokens, 64-column blocks KV_STEP apart).
+  __device__ __forceinline__ void issue_pv(int stage) {
+    const uint32_t v_addr = smem_u32(sm.v(stage));
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], smem_desc(v_addr + kk * 16 * 128, Tr::KV_STEP, 1024));
+    wgmma_commit();
+  }
+
+  // Logits hooks and masks, then the online softmax of tile `tile` in place (S becomes P, fp32).
+  __device__ __forceinline__ void softmax(int tile, float scale2) {
+    const int kv0 = it.kv_begin + tile * N;
+    const int col0 = kv0 + 2 * (lane % 4);  // this thread's first column; block j adds 8j, element e adds e
+    if constexpr (V::HAS_LOGITS_TRANSFORM) {  // logit = sm_scale * q.k, transformed by the variant
+      const float sm_scale = scale2 * (1.f / kLog2e);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int pr = it.packed_row0 + row0 + 8 * r;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_scale, it.q_pos_of(pr),
+                                                           col0 + 8 * j + e, it.qo_len, it.kv_len, it.req,
+                                                           it.qo_head_of(pr), it.kv_head);
+      }
+    }
+    if (it.tile_needs_mask(kv0)) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int pr = it.packed_row0 + row0 + 8 * r;
+        const int last = it.last_visible(pr / Tr::GROUP) - col0;  // the last visible column, relative to col0
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            bool hidden = 8 * j + e > last;
+            if constexpr (V::HAS_LOGITS_MASK)
+              hidden = hidden || !it.var.logits_mask(it.q_pos_of(pr), col0 + 8 * j + e, it.qo_len, it.kv_len, it.req,
+                                                     it.qo_head_of(pr), it.kv_head);
+            if (hidden) s[4 * j + 2 * r + e] = neg_inf();
+          }
+      }
+    }
+    if constexpr (!V::USE_SOFTMAX) {  // the transformed logit is the weight; hidden keys weigh 0
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i)
+        if (s[i] == neg_inf()) s[i] = 0.f;
+      return;
+    } else {
+      const float sc = V::HAS_LOGITS_TRANSFORM ? kLog2e : scale2;  // the logits may already be scaled
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
+        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
+        const float mx = fmaxf(m[r], raw * sc);
+        const float m_safe = mx == neg_inf() ? 0.f : mx;
+        alpha[r] = fast_exp2(m[r] - m_safe);
+        m[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < N / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float x = fast_exp2(fmaf(s[4 * j + 2 * r + e], sc, -m_safe));
+            s[4 * j + 2 * r + e] = x;
+            sum += x;
+          }
+        l[r] = l[r] * alpha[r] + sum;
+      }
+    }
+  }
+
+  __device__ __forceinline__ void rescale_o() {
+    if constexpr (V::USE_SOFTMAX) {
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
+    }
+  }
+
+  // P (fp32 in s) -> the A fragments of P V: k-slice kk holds columns 16kk .. 16kk+15 = S blocks 2kk, 2kk+1.
+  __device__ __forceinline__ void pack_p() {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+      pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+      pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pf[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  }
+
+  __device__ __forceinline__ void release(uint64_t* bar) {
+    if (lane == 0) mbar_arrive(bar);  // one arrival per warp (the barrier counts the consumers' warps)
+  }
+
+  // My turn at the tensor cores, and handing it to the other consumer.
+  __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::CONSUMER_THREADS); }
+  __device__ __forceinline__ void pass_turn() const { named_arrive(Tr::BAR_TURN + (wg ^ 1), Tr::CONSUMER_THREADS); }
+
+  // The item's kv tiles, one at a time: S(j), its softmax, P(j) V(j); each GEMM one turn at the tensor cores.
+  // (For head_dim 256, whose 128 O registers leave no room for S(j) and P(j-1) at once.)
+  __device__ __forceinline__ void mainloop_serial(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
+    for (int j = 0; j < it.num_tiles; ++j) {
+      mbar_wait(sm.k_full(kr.stage), kr.phase);
+      fence_proxy_async();
+      take_turn();
+      wgmma_fence();
+      issue_qk(kr.stage);
+      pass_turn();
+      wgmma_wait<0>();
+      fence_operands<N / 2>(s);
+      release(sm.k_empty(kr.stage));
+      kr.advance();
+      softmax(j, scale2);
+      pack_p();
+      rescale_o();
+      mbar_wait(sm.v_full(vr.stage), vr.phase);
+      fence_proxy_async();
+      take_turn();
+      wgmma_fence();
+      issue_pv(vr.stage);
+      pass_turn();
+      wgmma_wait<0>();
+      fence_operands<D / 2>(o);
+      release(sm.v_empty(vr.stage));
+      vr.advance();
+    }
+  }
+
+  // The item's kv tiles: S(j) and P(j-1) V(j-1) issued together; the softmax of S(j) runs under P(j-1) V(j-1).
+  __device__ __forceinline__ void mainloop(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
+    if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
+    const int n = it.num_tiles;
+    if (n == 0) return;
+    mbar_wait(sm.k_full(kr.stage), kr.phase);
+    fence_proxy_async();  // the producer's cp.async writes, visible to the wgmma (async proxy)
+    take_turn();
+    wgmma_fence();
+    issue_qk(kr.stage);
+    pass_turn();
+    wgmma_wait<0>();
+    fence_operands<N / 2>(s);
+    release(sm.k_empty(kr.stage));
+    kr.advance();
+    softmax(0, scale2);
+    pack_p();
+    for (int j = 1; j < n; ++j) {
+      mbar_wait(sm.k_full(kr.stage), kr.phase);
+      fence_proxy_async();
+      take_turn();
+      wgmma_fence();
+      issue_qk(kr.stage);
+      rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
+      mbar_wait(sm.v_full(vr.stage), vr.phase);
+      fence_proxy_async();
+      wgmma_fence();
+      issue_pv(vr.stage);
+      pass_turn();
+      wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
+      fence_operands<N / 2>(s);
+      release(sm.k_empty(kr.stage));
+      kr.advance();
+      softmax(j, scale2);
+      wgmma_wait<0>();
+      fence_operands<D / 2>(o);
+      release(sm.v_empty(vr.stage));
+      vr.advance();
+      pack_p();
+    }
+    rescale_o();
+    mbar_wait(sm.v_full(vr.stage), vr.phase);
+    fence_proxy_async();
+    take_turn();
+    wgmma_fence();
+    issue_pv(vr.stage);
+    pass_turn();
+    wgmma_wait<0>();
+    fence_operands<D / 2>(o);
+    release(sm.v_empty(vr.stage));
+    vr.advance();
+  }
+
+  // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile and
+  // 16-byte stores, or a split item's fp32 partial state straight to the workspace.
+  __device__ __forceinline__ void epilogue() {
+    float inv[2], lse[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float d = l[r];
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      if constexpr (V::USE_SOFTMAX) {
+        inv[r] = d > 0.f ? fast_rcp(d) : 0.f;
+        lse[r] = d > 0.f ? m[r] + fast_log2(d) : neg_inf();
+      } else {
+        inv[r] = 1.f;
+        lse[r] = 0.f;
+      }
+    }
+    if (it.pslot < 0) {
+      uint8_t* stage = sm.q();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = row0 + 8 * r;
+        const int pr = it.packed_row0 + row;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+          float x0 = o[4 * j + 2 * r] * inv[r], x1 = o[4 * j + 2 * r + 1] * inv[r];
+          if constexpr (V::HAS_OUTPUT_TRANSFORM) {
+            const int col = 8 * j + 2 * (lane % 4);
+            if (pr < it.rows_total) {
+              x0 = it.var.output_transform(x0, col, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req, it.qo_head_of(pr),
+                                           it.kv_head);
+              x1 = it.var.output_transform(x1, col + 1, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req,
+                                           it.qo_head_of(pr), it.kv_head);
+            }
+          }
+          *reinterpret_cast<uint32_t*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, j) + 4 * (lane % 4)) =
+              pack2<TO>(x0, x1);
+        }
+        if (lane % 4 == 0 && pr < it.rows_total) it.write_lse(pr, lse[r]);
+      }
+      named_sync(Tr::BAR_EPILOGUE + wg, 128);
+      constexpr int CHUNKS = D / 8;
+      constexpr int ROWS_PER_STEP = 128 / CHUNKS;
+      const int wtid = static_cast<int>(ctid % 128);
+      const int c = wtid % CHUNKS;
+#pragma unroll
+      for (int k = 0; k < Tr::WG_ROWS / ROWS_PER_STEP; ++k) {
+        const int row = wg * Tr::WG_ROWS + k * ROWS_PER_STEP + wtid / CHUNKS;
+        const int pr = it.packed_row0 + row;
+        if (pr < it.rows_total)
+          *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) =
+              *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c));
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int pr = it.packed_row0 + row0 + 8 * r;
+        if (pr >= it.rows_total) continue;
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j)
+          it.write_partial2(pr, 8 * j + 2 * (lane % 4), o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r],
+                            lse[r], j == 0 && lane % 4 == 0);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void run(const P& p) {
+    Ring<Tr::NUM_STAGES> kr, vr;
+    uint32_t q_phase = 0;
+    const float scale2 = static_cast<float>(p.sm_scale_log2);
+    if (wg == 1) pass_turn();  // the first consumer takes the first turn
+    for_each_item(p, [&](int w, int head) {
+      it.kv_head = head;
+      if (!it.setup(w)) return;
+      mbar_wait(sm.q_full(), q_phase);
+      q_phase ^= 1;
+      fence_proxy_async();
+      if constexpr (V::HAS_QUERY_TRANSFORM) {
+        transform_q_tile<Tr>(it, sm.q(), ctid, Tr::CONSUMER_THREADS);
+        fence_proxy_async();
+        named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+      m[0] = m[1] = neg_inf();
+      l[0] = l[1] = 0.f;
+      alpha[0] = alpha[1] = 1.f;
+      mainloop(kr, vr, scale2);
+      epilogue();
+      mbar_arrive(sm.q_empty());  // every consumer thread: its Q reads and staging reads are done
+      if (it.nchunks > 1 && last_of_group(it, ctid, [] { named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS); }))
+        merge_group<Tr::CONSUMER_THREADS, Tr::CTA_Q>(it, ctid);
+    });
+  }
+};
+
+template <typename Tr, typename P>
+__device__ __forceinline__ void attention_body(const P& p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  const Smem<Tr> sm{smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)};
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full(), 128);
+    mbar_init(sm.q_empty(), Tr::CONSUMER_THREADS);
+#pragma unroll
+    for (int s = 0; s < Tr::NUM_STAGES; ++s) {
+      mbar_init(sm.k_full(s), 128);
+      mbar_init(sm.k_empty(s), Tr::CONSUMERS * 4);
+      mbar_init(sm.v_full(s), 128);
+      mbar_init(sm.v_empty(s), Tr::CONSUMERS * 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    produce<Tr>(p, sm);
+  } else {
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    Consumer<Tr, P> c(p, sm, (threadIdx.x - 128) / 128);
+    c.run(p);
+  }
+}
+
+}  // namespace sm90
+}  // namespace attnjit

@@ -1,0 +1,61 @@
+// attnjit/sm90/traits.cuh: every tile, stage, thread and register constant of one sm90 kernel instance, and its
+// shared-memory layout, with static_asserts that carry the reason.
+#pragma once
+#include "attnjit/paged.cuh"
+#include "attnjit/variant.cuh"
+
+namespace attnjit {
+
+template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
+          int CTA_KV_, int NUM_STAGES_, typename VARIANT_ = NoVariant>
+struct Sm90Traits {
+  using T = T_;
+  using TO = TO_;
+  using Variant = VARIANT_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int GROUP = GROUP_;
+  static constexpr bool CAUSAL = CAUSAL_;
+  static constexpr bool PAGED = PAGED_;
+  static constexpr int PAGE_SIZE = PAGE_SIZE_;
+  static constexpr int PAGE_SHIFT = ilog2(PAGE_SIZE_);
+  static constexpr bool HND = HND_;
+  // one producer warpgroup (loads) and two consumer warpgroups (wgmma, softmax), 64 packed rows each
+  static constexpr int CONSUMERS = 2;
+  static constexpr int WG_ROWS = 64;                       // wgmma M
+  static constexpr int CTA_Q = WG_ROWS * CONSUMERS;        // packed rows per work item
+  static constexpr int CTA_KV = CTA_KV_;                   // kv tokens per tile
+  static constexpr int NUM_STAGES = NUM_STAGES_;           // K and V tiles in flight (each its own ring)
+  static constexpr int NUM_THREADS = 128 * (CONSUMERS + 1);
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  // setmaxnreg budgets (PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 64K): head_dim 256 needs 128 registers of O
+  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? 32 : 56, CONSUMER_REGS = HEAD_DIM_ > 128 ? 240 : 224;
+  // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
+  static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
+  // shared memory: Q, then NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are HEAD_DIM / 64
+  // column blocks of [rows][64] in the 128-byte swizzle (attnjit/kv_load.cuh), 1024-byte aligned.
+  static constexpr int Q_BYTES = CTA_Q * HEAD_DIM * 2;
+  static constexpr int KV_BYTES = CTA_KV * HEAD_DIM * 2;
+  static constexpr int K_OFF = Q_BYTES;
+  static constexpr int V_OFF = K_OFF + NUM_STAGES * KV_BYTES;
+  static constexpr int BAR_OFF = V_OFF + NUM_STAGES * KV_BYTES;
+  // barriers: q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage
+  static constexpr int NUM_BARRIERS = 2 + 4 * NUM_STAGES;
+  static constexpr int SMEM_BYTES = BAR_OFF + NUM_BARRIERS * 8 + 1024;  // + the slack that aligns the base
+  // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
+  static constexpr int LOAD_THREADS = 128;
+  static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
+  static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
+  // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its epilogue
+  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS;
+
+  static_assert(HEAD_DIM % 64 == 0, "sm90 tiles are whole 64-column (128-byte) swizzle blocks");
+  static_assert(CTA_KV % 16 == 0 && CTA_KV >= 16 && CTA_KV <= 256, "a kv tile is wgmma N (S) and K slices (PV)");
+  static_assert(HEAD_DIM <= 256, "the PV wgmma's N is the head dim, at most 256");
+  static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
+  static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
+  static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
+  static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "register budget over 64K");
+};
+
+}  // namespace attnjit

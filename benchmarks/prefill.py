@@ -1,0 +1,203 @@
+"""Prefill rows of the benchmark: attnjit on its default family (sm90 on the H200) and on fa2, FlashInfer 0.7.2's fa2
+and fa3 backends, and torch SDPA (cuDNN) on the same shapes, in one process.
+
+A row is causal or not, paged (page_size) or ragged, at one head dim; FLOPs = 4 * B * H_q * D * L^2 (halved when
+causal), TFLOP/s = FLOPs / time. Every call is timed back to back in the stream (bench.time_ms). SDPA runs on
+contiguous [B, H_q, L, D] tensors (KV heads expanded), the other three on the same paged/ragged inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import attnjit
+
+H_Q, H_KV, DT = 32, 8, torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Row:
+    batch: int
+    length: int
+    causal: bool = True
+    head_dim: int = 128
+    page_size: int = 16   # 0: ragged KV
+    tag: str = ""         # what the row is for (the table prints it)
+
+    @property
+    def shape(self) -> str:
+        return f"{self.batch}x{self.length}"
+
+    @property
+    def flops(self) -> float:
+        full = 4 * self.batch * H_Q * self.head_dim * self.length * self.length
+        return full / 2 if self.causal else full
+
+    @property
+    def label(self) -> str:
+        kv = "ragged" if not self.page_size else f"p{self.page_size}"
+        return f"{'causal' if self.causal else 'non-causal'} d{self.head_dim} {kv}"
+
+
+MAIN = [Row(1, 8192), Row(8, 2048), Row(32, 512)]
+EXTRA = [Row(1, 8192, causal=False), Row(8, 2048, causal=False), Row(32, 512, causal=False),
+         Row(8, 2048, head_dim=64), Row(8, 2048, head_dim=256), Row(8, 2048, page_size=1, tag="page 1"),
+         Row(32, 512, page_size=1, tag="page 1"), Row(8, 2048, page_size=0, tag="ragged")]
+
+
+def _inputs(row: Row, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    b, L, d = row.batch, row.length, row.head_dim
+    q = torch.randn(b * L, H_Q, d, dtype=DT, device="cuda", generator=gen)
+    qo_indptr = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
+    if not row.page_size:
+        k = torch.randn(b * L, H_KV, d, dtype=DT, device="cuda", generator=gen)
+        v = torch.randn(b * L, H_KV, d, dtype=DT, device="cuda", generator=gen)
+        return q, qo_indptr, (k, v), None
+    ps = row.page_size
+    pages_per = -(-L // ps)
+    total = b * pages_per
+    ids = torch.randperm(total, device="cuda", generator=gen).to(torch.int32)
+    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
+    last = torch.full((b,), L - ps * (pages_per - 1), dtype=torch.int32, device="cuda")
+    cache = torch.randn(total, 2, ps, H_KV, d, dtype=DT, device="cuda", generator=gen)
+    return q, qo_indptr, cache, (indptr, ids, last)
+
+
+def _attnjit(ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan_kw):
+    if not row.page_size:
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend=backend, variant=plan_kw.pop("variant", None))
+        w.plan(qo_indptr, qo_indptr, H_Q, H_KV, row.head_dim, causal=row.causal, q_data_type=DT, **plan_kw)
+        return w, (lambda out, **run: w.run(q, kv[0], kv[1], out=out, **run))
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend, variant=plan_kw.pop("variant", None))
+    w.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal, q_data_type=DT, **plan_kw)
+    return w, (lambda out, **run: w.run(q, kv, out=out, **run))
+
+
+def _flashinfer(fi, ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan_kw):
+    if not row.page_size:
+        w = fi.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend=backend)
+        w.plan(qo_indptr, qo_indptr, H_Q, H_KV, row.head_dim, causal=row.causal, q_data_type=DT, kv_data_type=DT,
+               **plan_kw)
+        return lambda out: w.run(q, kv[0], kv[1], out=out)
+    w = fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+    w.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal, q_data_type=DT,
+           kv_data_type=DT, **plan_kw)
+    return lambda out: w.run(q, kv, out=out)
+
+
+def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True, families=("auto", "fa2"),
+               fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
+    """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran. ``fi_skip``:
+    FlashInfer modules not to run ("fa3:64": its fa3 module at head_dim 64; each costs minutes of JIT on the GPU
+    machine when its cache was not carried)."""
+    for i, row in enumerate(rows):
+        q, qo_indptr, kv, tables = _inputs(row, seed=1 + i)
+        r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
+        ref = None
+        for backend in families:
+            name = "attnjit" if backend == "auto" else f"attnjit_{backend}"
+            w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, backend)
+            out = torch.empty_like(q)
+            r[f"{name}_ms"] = time_ms(lambda: run(out))
+            r[f"{name}_plan"] = w.last_plan
+            if ref is None:
+                ref = out.float()
+            else:
+                r[f"{name}_max_diff"] = (out.float() - ref).abs().max().item()
+        for backend in fi_backends if fi is not None else ():
+            name = f"flashinfer_{backend}"
+            if f"{backend}:{row.head_dim}" in fi_skip:
+                r[f"{name}_error"] = "skipped (--fi-skip: its JIT module was not carried)"
+                continue
+            try:
+                run = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend)
+                out = torch.empty_like(q)
+                r[f"{name}_ms"] = time_ms(lambda: run(out))
+                r[f"{name}_max_diff"] = (out.float() - ref).abs().max().item()
+            except Exception as exc:  # noqa: BLE001 (a backend FlashInfer lacks for this row: say so)
+                r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        if sdpa:
+            _sdpa(row, r, time_ms)
+        for k in [k[:-3] for k in r if k.endswith("_ms")]:
+            r[f"{k}_tflops"] = row.flops / (r[f"{k}_ms"] * 1e-3) / 1e12
+        results.append(r)
+        del kv, q
+        torch.cuda.empty_cache()
+
+
+def _sdpa(row: Row, r: dict, time_ms) -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    shape = (row.batch, H_Q, row.length, row.head_dim)
+    qs, ks, vs = (torch.randn(shape, dtype=DT, device="cuda") for _ in range(3))
+    for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+        try:
+            with sdpa_kernel(getattr(SDPBackend, backend)):
+                r[f"{name}_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=row.causal))
+        except Exception as exc:  # noqa: BLE001
+            r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+
+
+# --- variants on the default family ------------------------------------------------------------------------------
+
+USER_BIAS = attnjit.Variant("user_bias", params={"bias": float}, logits_transform="return logit + bias;")
+# (feature, plan() arguments, run() arguments, FlashInfer plan() arguments or None, wrapper variant)
+VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 30.0}, {}, {"logits_soft_cap": 30.0}, None),
+            ("window 1024", {"window_left": 1024}, {}, {"window_left": 1024}, None),
+            ("ALiBi", {"pos_encoding_mode": "ALIBI"}, {}, None, None),
+            ("user variant (logit + bias)", {}, {"bias": 0.5}, None, USER_BIAS)]
+
+
+def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",),
+                   fi_skip=frozenset()) -> None:
+    """Each built-in and a user variant on the default family, against its default kernel (and FlashInfer's;
+    "fa3:variants" in ``fi_skip`` skips FlashInfer's variant modules)."""
+    q, qo_indptr, kv, tables = _inputs(row, seed=7)
+    out = torch.empty_like(q)
+    for feature, plan_kw, run_kw, fi_kw, variant in VARIANTS:
+        r = {"op": "prefill variants", "shape": row.shape, "feature": feature}
+        w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto", variant=variant, **plan_kw)
+        r["attnjit_ms"] = time_ms(lambda: run(out, **run_kw))
+        r["family"] = w.last_plan["family"]
+        for backend in fi_backends if fi is not None and fi_kw is not None else ():
+            if fi_kw and f"{backend}:variants" in fi_skip:
+                r[f"flashinfer_{backend}_error"] = "skipped (--fi-skip)"
+                continue
+            try:
+                frun = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend, **fi_kw)
+                fout = torch.empty_like(q)
+                r[f"flashinfer_{backend}_ms"] = time_ms(lambda: frun(fout))
+                r[f"flashinfer_{backend}_max_diff"] = (out.float() - fout.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                r[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        results.append(r)
+
+
+def table(rows, ceiling: float) -> str:
+    impls = [("attnjit", "attnjit"), ("attnjit_fa2", "attnjit fa2"), ("flashinfer_fa2", "FI fa2"),
+             ("flashinfer_fa3", "FI fa3"), ("sdpa_cudnn", "cuDNN")]
+    head = "| row | shape | " + " | ".join(n for _, n in impls) + " | attnjit / FI fa3 | attnjit / cuDNN | of ceiling |"
+    lines = [head, "|" + "---|" * (len(impls) + 5)]
+    for r in rows:
+        t = {k: r.get(f"{k}_tflops") for k, _ in impls}
+        cells = [f"{t[k]:.0f}" if t[k] else "-" for k, _ in impls]
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+        a = t["attnjit"]
+        label = r["label"] + (f" ({r['tag']})" if r.get("tag") else "")
+        lines.append(f"| {label} | {r['shape']} | " + " | ".join(cells) +
+                     f" | {ratio(a, t['flashinfer_fa3'])} | {ratio(a, t['sdpa_cudnn'])} | {a / ceiling:.0%} |")
+    return "\n".join(lines)
+
+
+def variant_table(rows) -> str:
+    lines = ["| feature | family | attnjit ms | vs attnjit default | FI fa3 ms |", "|---|---|---|---|---|"]
+    base = rows[0]["attnjit_ms"] if rows else 1.0
+    for r in rows:
+        fi_ms = r.get("flashinfer_fa3_ms")
+        lines.append(f"| {r['feature']} | {r['family']} | {r['attnjit_ms']:.3f} | {r['attnjit_ms'] / base:.3f} | "
+                     f"{f'{fi_ms:.3f}' if fi_ms else r.get('flashinfer_fa3_error', '-')[:40]} |")
+    return "\n".join(lines)

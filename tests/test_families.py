@@ -1,0 +1,158 @@
+"""Kernel families as units: the spec's family field (default, validation, part of the code), each family's headers
+reaching only into shared headers or its own folder, the package shipping nested header folders, and fa2 still
+compiling for sm_80."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tomllib
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+
+from attnjit import families
+from attnjit.families import fa2, sm90
+from attnjit.generator import INCLUDE_DIR, TEMPLATE_DIR, render
+from attnjit.specs import AttentionSpec, SpecError
+from attnjit.toolchain import flags_for, nvcc
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFILL = dict(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4)
+DECODE = dict(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)
+
+
+def test_family_defaults_from_the_arch():
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        assert AttentionSpec(**PREFILL, arch=arch).family == "fa2"
+    on_hopper = AttentionSpec(**PREFILL, arch="sm_90a")
+    assert on_hopper.family == ("sm90" if sm90.unsupported(on_hopper) is None else "fa2")
+    assert AttentionSpec(**DECODE, arch="sm_90a").family == families.default_family(AttentionSpec(**DECODE))
+    # ops without kernels of a family leave it unset
+    assert AttentionSpec(op="merge_state", head_dim=128, dtype="bf16").family is None
+
+
+def test_family_is_validated_with_the_reason():
+    with pytest.raises(SpecError) as e:
+        AttentionSpec(**PREFILL, family="fa4")
+    assert e.value.field == "family" and "fa2" in str(e.value) and "sm90" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        AttentionSpec(op="merge_state", head_dim=128, dtype="bf16", family="fa2")
+    assert e.value.field == "family"
+    spec = AttentionSpec(**PREFILL, arch="sm_80")
+    reason = sm90.unsupported(spec)
+    assert reason  # sm90 needs sm_90a (and more): the spec says so by name
+    with pytest.raises(SpecError) as e:
+        AttentionSpec(**PREFILL, arch="sm_80", family="sm90")
+    assert e.value.field == "family" and reason in str(e.value)
+
+
+def test_family_is_part_of_the_code_and_the_canonical_form():
+    spec = AttentionSpec(**PREFILL, family="fa2")
+    assert '"family":"fa2"' in spec.canonical()
+    assert AttentionSpec.parse(spec.as_flags()) == spec
+    assert "fa2" in spec.short_name()
+    assert f"attnjit/{spec.family}/" in render(spec).source  # the family's headers are what it compiles
+    assert render(spec).template == fa2.TEMPLATE
+
+
+def test_replace_re_defaults_a_defaulted_family_and_keeps_an_explicit_one():
+    spec = AttentionSpec(**PREFILL, arch="sm_80")
+    moved = spec.replace(arch="sm_90a")
+    assert moved.family == families.default_family(moved)
+    explicit = AttentionSpec(**PREFILL, arch="sm_90a", family="fa2")
+    assert explicit.replace(group_size=8).family == "fa2"
+
+
+def _includes(path: Path) -> list[str]:
+    return re.findall(r'^\s*#include\s+"(attnjit/[^"]+)"', path.read_text(), re.M)
+
+
+def test_family_headers_reach_only_into_shared_headers_or_their_own():
+    root = INCLUDE_DIR / "attnjit"
+    shared = {p.name for p in root.glob("*.cuh")}
+    for name in families.NAMES:
+        folder = root / name
+        for header in folder.glob("*.cuh"):
+            for inc in _includes(header):
+                parts = inc.split("/")
+                ok = (len(parts) == 2 and parts[1] in shared) or (len(parts) == 3 and parts[1] == name)
+                assert ok, f"{header.relative_to(INCLUDE_DIR)} includes {inc}: not shared and not its family's"
+    for header in root.glob("*.cuh"):
+        for inc in _includes(header):
+            assert inc.count("/") == 1, f"shared header {header.name} includes a family header {inc}"
+
+
+def test_every_template_and_header_ships_in_the_package():
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["attnjit"]
+    package = ROOT / "attnjit"
+    files = [p for p in TEMPLATE_DIR.rglob("*") if p.is_file() and p.suffix in (".jinja", ".cuh")]
+    assert any(p.parent.name == "fa2" for p in files)
+    for p in files:
+        rel = p.relative_to(package).as_posix()
+        assert any(fnmatch(rel, pat) and rel.count("/") == pat.count("/") for pat in patterns), \
+            f"{rel} is not in pyproject's package-data"
+
+
+def test_fa2_tile_choice_for_a_batch():
+    spec = AttentionSpec(**DECODE)
+    narrow, deep = fa2.tiles(spec)
+    # few items for a large GPU: the deep tile; a full GPU or no split allowed: the narrow one
+    assert fa2.choose_tile(spec, qo_lens=[1] * 4, num_kv_heads=8, allow_split=True, capacity=lambda t: 264) is deep
+    assert fa2.choose_tile(spec, qo_lens=[1] * 64, num_kv_heads=8, allow_split=True, capacity=lambda t: 264) is narrow
+    assert fa2.choose_tile(spec, qo_lens=[1] * 4, num_kv_heads=8, allow_split=False, capacity=lambda t: 264) is narrow
+    prefill = AttentionSpec(**PREFILL)
+    small, wide = fa2.tiles(prefill)
+    assert fa2.choose_tile(prefill, qo_lens=[1, 2], num_kv_heads=8, allow_split=True, capacity=lambda t: 1) is small
+    assert fa2.choose_tile(prefill, qo_lens=[1, 300], num_kv_heads=8, allow_split=True, capacity=lambda t: 1) is wide
+
+
+@pytest.mark.nvcc
+def test_fa2_compiles_for_sm80(tmp_path):
+    spec = AttentionSpec(**PREFILL, arch="sm_80")
+    src = tmp_path / "k.cu"
+    src.write_text(render(spec).source)
+    proc = subprocess.run([str(nvcc().path), *flags_for("sm_80"), "-o", str(tmp_path / "k.cubin"), str(src)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "k.cubin").stat().st_size > 0
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel (the test extra installs it)."""
+    import shutil
+    import sys
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for base in sys.path:
+        for cand in Path(base).glob("nvidia/cu*/bin/cuobjdump"):
+            return str(cand)
+    return None
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("head_dim,page_size,dtype", [(128, 16, "bf16"), (64, 1, "fp16"), (256, 0, "bf16")])
+def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dtype):
+    """The sm90 family's kernels compile for sm_90a with real nvcc; the SASS has HGMMA (wgmma) and no local memory,
+    and ptxas reports no spills and no serialized wgmma."""
+    kv = {"kv": "ragged"} if page_size == 0 else {"page_size": page_size}
+    spec = AttentionSpec(op="prefill", head_dim=head_dim, dtype=dtype, mask="causal", group_size=4, family="sm90",
+                         arch="sm_90a", **kv)
+    src = tmp_path / "k.cu"
+    src.write_text(render(spec).source)
+    cubin = tmp_path / "k.cubin"
+    proc = subprocess.run([str(nvcc().path), *flags_for("sm_90a"), "-o", str(cubin), str(src)],
+                          capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    assert "serialized" not in log, log
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), log
+    tool = _cuobjdump()
+    assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the sm90 kernel"

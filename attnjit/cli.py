@@ -182,7 +182,8 @@ def cmd_warm(args) -> int:
     if args.json:
         print(json.dumps({"event": "summary", "specs": len(specs), **counts(results), "seconds": round(seconds, 1),
                           "interrupted": stopped,
-                          "failures": [{"label": r.job.label, "error": r.error.first_error, "log": str(r.error.log_path)}
+                          "failures": [{"label": r.job.label, "error": r.error.first_error,
+                                        "log": str(r.error.log_path)}
                                        for r in results if r.status == "failed" and r.error is not None]},
                          separators=(",", ":")))
     else:
@@ -324,7 +325,8 @@ def cmd_info(args) -> int:
     print(f"cache root: {c['root']} ({'writable' if c['writable'] else 'read-only'})")
     print(f"cache layers: {', '.join(c['layers']) or '(none; set ATTNJIT_CACHE_PATH)'}")
     for base, st in c["stats"].items():
-        print(f"  {base}: {st['entries']} entries, {st['bytes'] / 1024:.1f} KiB" + ("" if st["exists"] else " (absent)"))
+        print(f"  {base}: {st['entries']} entries, {st['bytes'] / 1024:.1f} KiB"
+              + ("" if st["exists"] else " (absent)"))
     print(f"strict mode (ATTNJIT_JIT=0): {'on' if info['strict'] else 'off'}")
     print("settings (value, where it comes from):")
     for k in info["settings"]:
@@ -402,11 +404,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     def spec_args(p):
         p.add_argument("catalogs", nargs="*",
-                       help="catalog TOML files, or names of catalogs shipped with attnjit (default; attnjit catalog list)")
+                       help="catalog TOML files, or names of catalogs shipped with attnjit (default; see attnjit "
+                            "catalog list)")
         p.add_argument("--spec", action="append", help="a spec as key=value,... (repeatable)")
         p.add_argument("--arch", type=_arch_list,
                        help="target arch(s) for specs that name none, e.g. sm_90a or sm_80,sm_90a (default: "
-                            f"ATTNJIT_ARCH_OVERRIDE, else the local GPUs' archs, else ATTNJIT_ARCH, else {DEFAULT_ARCH})")
+                            "ATTNJIT_ARCH_OVERRIDE, else the local GPUs' archs, else ATTNJIT_ARCH, else "
+                            f"{DEFAULT_ARCH})")
         p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS,
                        help=f"refuse catalogs that expand to more specs than this (default {MAX_CATALOG_SPECS:,})")
 

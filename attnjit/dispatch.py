@@ -1,13 +1,14 @@
 """Runtime: load cubins with CuPy, launch on torch's current stream, and record every dispatch.
 
-Loading happens in plan() (``module(spec, device)``, memoized per (key, device)) from the cubin bytes the cache
-verified; run() only calls a prepared
-``Launch``: it packs the kernel's parameter struct into a preallocated buffer and calls ``cuLaunchKernel`` on the
-current stream. Nothing is compiled, loaded or allocated there, so a run() can be captured in a CUDA graph.
+Loading happens in plan() (``module(spec, device)``, memoized per (key, device)), from the cubin bytes the cache
+verified; run() only calls a prepared ``Launch``: it packs the kernel's parameter struct into a preallocated buffer
+and calls ``cuLaunchKernel`` on the current stream. Nothing is compiled, loaded or allocated there, so a run() can
+be captured in a CUDA graph.
 
 Every dispatch is recorded: op, canonical spec, cache key, kernel, where the binary came from (``memory``, or
 ``disk``/``built`` for the first launch after loading, with compile ms), grid, block, the plan's decisions
-(split-KV) and the toolchain that built the cubin. ``ATTNJIT_LOG=path.jsonl`` streams records; ``with attnjit.recording() as rec:`` collects them.
+(split-KV) and the toolchain that built the cubin. ``ATTNJIT_LOG=path.jsonl`` streams records;
+``with attnjit.recording() as rec:`` collects them.
 """
 
 from __future__ import annotations

@@ -81,6 +81,7 @@ class BarReporter(Reporter):
                                  console=self.console, transient=False)
         self.task = self.progress.add_task("warm", total=None, failed=0, now="")
         self.failed = 0
+        self.now: list[str] = []   # labels compiling now (as last reported), minus those finished since
 
     def begin(self, n_specs: int, root: Any) -> None:
         self.console.print(f"warming {n_specs} spec(s) into {root}", highlight=False)
@@ -92,12 +93,17 @@ class BarReporter(Reporter):
         elif ev.kind in ("built", "failed"):
             self.failed += ev.kind == "failed"
             self.progress.console.print(str(ev).strip(), highlight=False, markup=False)
-            self.progress.update(self.task, advance=1, failed=self.failed)
+            self.now = [label for label in self.now if label != ev.label]
+            self.progress.update(self.task, advance=1, failed=self.failed, now=self._now())
         elif ev.kind == "compiling":
-            now = ", ".join(ev.compiling)
-            self.progress.update(self.task, now=(now[:60] + "...") if len(now) > 63 else now)
+            self.now = list(ev.compiling)
+            self.progress.update(self.task, now=self._now())
         elif ev.kind == "waiting":
             self.progress.console.print(str(ev), highlight=False, markup=False)
+
+    def _now(self) -> str:
+        now = ", ".join(self.now)
+        return (now[:60] + "...") if len(now) > 63 else now
 
     def close(self) -> None:
         self.progress.update(self.task, now="")

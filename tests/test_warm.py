@@ -176,6 +176,7 @@ def test_the_terminal_bar_shows_done_total_failures_and_what_compiles():
     rep.event(BuildEvent("compiling", compiling=("prefill-paged-causal-d128", "decode-paged-d128")))
     rep.progress.refresh()
     rep.event(BuildEvent("built", "prefill-paged-causal-d128", "k" * 64, seconds=2.0))
+    assert rep.now == ["decode-paged-d128"], "a finished kernel is still shown as compiling"
     rep.event(BuildEvent("failed", "decode-paged-d128", "j" * 64, seconds=1.0))
     rep.close()
     text = out.getvalue()

@@ -1,12 +1,14 @@
 """Runtime: load cubins with CuPy, launch on torch's current stream, and record every dispatch.
 
-Loading happens in plan() (``module(spec, device)``, memoized per (key, device)); run() only calls a prepared
-``Launch``: it packs the kernel's parameter struct into a preallocated buffer and calls ``cuLaunchKernel`` on the
-current stream. Nothing is compiled, loaded or allocated there, so a run() can be captured in a CUDA graph.
+Loading happens in plan() (``module(spec, device)``, memoized per (key, device)), from the cubin bytes the cache
+verified; run() only calls a prepared ``Launch``: it packs the kernel's parameter struct into a preallocated buffer
+and calls ``cuLaunchKernel`` on the current stream. Nothing is compiled, loaded or allocated there, so a run() can
+be captured in a CUDA graph.
 
 Every dispatch is recorded: op, canonical spec, cache key, kernel, where the binary came from (``memory``, or
-``disk``/``built`` for the first launch after loading, with compile ms), grid, block and the plan's decisions
-(split-KV). ``ATTNJIT_LOG=path.jsonl`` streams records; ``with attnjit.recording() as rec:`` collects them.
+``disk``/``built`` for the first launch after loading, with compile ms), grid, block, the plan's decisions
+(split-KV) and the toolchain that built the cubin. ``ATTNJIT_LOG=path.jsonl`` streams records;
+``with attnjit.recording() as rec:`` collects them.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class DispatchRecord:
     smem: int
     plan: dict[str, Any] | None  # the plan's decisions (tile, split-KV, work items)
     time: float = field(default_factory=time.time)
+    built_by: str | None = None  # the toolchain that built the cubin (its manifest's), e.g. "nvcc 13.0 V13.0.88"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -117,12 +120,11 @@ def _torch():
 
 
 def device_arch(device) -> str:
-    """The nvcc arch for a CUDA device: sm_90a on Hopper (arch-specific features), else sm_XY."""
-    override = knobs.ARCH.get()
-    if override:
-        return override
-    major, minor = _torch().cuda.get_device_capability(device)
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    """The nvcc arch for a CUDA device: its own (sm_90a on Hopper, else sm_XY) unless ATTNJIT_ARCH_OVERRIDE forces
+    one (``arch`` holds the rule); ATTNJIT_ARCH never overrides a present GPU."""
+    from .arch import runtime_arch
+
+    return runtime_arch(*_torch().cuda.get_device_capability(device))
 
 
 def num_sms(device) -> int:
@@ -158,10 +160,12 @@ class Module:
         self.device_index = device_index
         t0 = time.perf_counter()
         with cupy.cuda.Device(device_index):
-            self.raw = cupy.RawModule(path=str(binary.entry.cubin))
+            # the bytes the cache verified (sha256, owner, mode), not the path again: no check-then-use window
+            self.raw = cupy.cuda.function.Module()
+            self.raw.load(binary.entry.image)
             self.kernels: dict[str, Kernel] = {}
             for name, info in render(self.spec).kernels.items():
-                fn = self.raw.get_function(name).kernel  # cupy.cuda.Function, loaded on this device
+                fn = self.raw.get_function(name)  # cupy.cuda.Function, loaded on this device
                 if info.smem:  # static shared memory counts too: always raise the dynamic limit to what we use
                     cupy.cuda.driver.funcSetAttribute(fn.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                                       info.smem)
@@ -231,7 +235,8 @@ class Launch:
         if _recorders or _log_file() is not None:
             _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
                                  binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,
-                                 block=tuple(self.block), smem=self.smem, plan=self.plan))
+                                 block=tuple(self.block), smem=self.smem, plan=self.plan,
+                                 built_by=module.binary.entry.toolchain))
 
 
 _modules: dict[tuple[AttentionSpec, int], Module] = {}

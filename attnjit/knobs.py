@@ -33,6 +33,26 @@ class Knob(Generic[T]):
     def is_set(self) -> bool:
         return bool(os.environ.get(self.name))
 
+    def describe(self) -> dict[str, object]:
+        """name, value, source (``env`` or ``default``), raw text, default and meaning; an invalid setting is
+        reported in ``error`` instead of raising (``attnjit info`` shows everything it can)."""
+        raw = os.environ.get(self.name)
+        out: dict[str, object] = {"name": self.name, "source": "env" if raw else "default", "raw": raw or None,
+                                  "default": _plain(self.default), "meaning": self.meaning}
+        try:
+            out["value"] = _plain(self.get())
+        except ValueError as exc:
+            out["value"], out["error"] = None, str(exc)
+        return out
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
 
 def _bool(raw: str) -> bool:
     low = raw.strip().lower()
@@ -47,6 +67,13 @@ def _positive_float(raw: str) -> float:
     value = float(raw)
     if not value > 0:
         raise ValueError("expected a positive number of seconds")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("expected a positive integer")
     return value
 
 
@@ -74,13 +101,30 @@ LOG: Knob[Path | None] = Knob(
 LOCK_TIMEOUT: Knob[float] = Knob(
     "ATTNJIT_LOCK_TIMEOUT", 900.0, _positive_float,
     "seconds to wait for another process's build of the same kernel before giving up")
+def _arch(raw: str) -> str:
+    import re
+
+    if not re.fullmatch(r"sm_(\d{2,3})a?", raw.strip()) or int(re.sub(r"\D", "", raw)) < 80:
+        raise ValueError("expected sm_XY or sm_XYa with XY >= 80, e.g. sm_80, sm_90a")
+    return raw.strip()
+
+
 ARCH: Knob[str | None] = Knob(
-    "ATTNJIT_ARCH", None, str,
-    "target arch for specs that name none (default: the current GPU's, else sm_90a)")
+    "ATTNJIT_ARCH", None, _arch,
+    "arch where there is no GPU (warm on a build machine, CPU planning; default sm_90a); a present GPU's own "
+    "arch always wins over it")
+ARCH_OVERRIDE: Knob[str | None] = Knob(
+    "ATTNJIT_ARCH_OVERRIDE", None, _arch,
+    "force this arch everywhere: at run time instead of the GPU's own, and as warm's default")
 JOBS: Knob[int | None] = Knob(
-    "ATTNJIT_JOBS", None, int, "parallel nvcc jobs for a build (default: CPU count)")
+    "ATTNJIT_JOBS", None, _positive_int, "parallel nvcc jobs for a build (default: CPU count); --jobs overrides it")
 NUM_SMS: Knob[int | None] = Knob(
-    "ATTNJIT_NUM_SMS", None, int,
+    "ATTNJIT_NUM_SMS", None, _positive_int,
     "SM count the split-KV scheduler plans for when no GPU is present (default 132, an H100/H200)")
 
-ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, JOBS, NUM_SMS)
+PACKAGES: Knob[bool] = Knob(
+    "ATTNJIT_PACKAGES", True, _bool,
+    "1 (default): also search the layers of installed kernel packages (attnjit pack wheels); 0: ignore them")
+
+ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, PACKAGES, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE,
+                         JOBS, NUM_SMS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import tomllib
 from dataclasses import InitVar, dataclass, fields
@@ -26,6 +27,7 @@ KV_KINDS = ("paged", "ragged")
 MAX_PAGE_SIZE = 128
 MAX_GROUP_SIZE = 64
 DEFAULT_ARCH = "sm_90a"
+MAX_CATALOG_SPECS = 100_000   # a catalog that expands to more is refused (with its count) unless asked for
 
 _DTYPE_ALIASES = {
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
@@ -285,11 +287,24 @@ def expand_table(table: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*choices)]
 
 
-def load_catalog(path: str | Path, *, arch: str | None = None) -> list[AttentionSpec]:
+def table_size(table: dict[str, Any]) -> int:
+    """How many specs ``expand_table`` would give, computed without expanding."""
+    return math.prod(len(v) if isinstance(v, list) else 1 for v in table.values())
+
+
+def _product_text(table: dict[str, Any]) -> str:
+    lists = [(k, len(v)) for k, v in table.items() if isinstance(v, list) and len(v) > 1]
+    return " x ".join(f"{n} {k}" for k, n in lists) or "no lists"
+
+
+def load_catalog(path: str | Path, *, arch: str | None = None,
+                 max_specs: int = MAX_CATALOG_SPECS) -> list[AttentionSpec]:
     """Read a TOML catalog (``[[spec]]`` tables) into specs, de-duplicated, in file order.
 
     ``arch`` fills in tables that name none. A table that names no ``family`` gives each attention spec once per
-    family plan() may run it on (``families.dispatchable``). Errors name the file, the table and the field.
+    family plan() may run it on (``families.dispatchable``). Errors name the file, the table and the field. A
+    catalog whose tables expand to more than ``max_specs`` specs (before families) is refused before anything is
+    expanded (the message gives the count). Linear in the number of specs.
     """
     path = Path(path)
     try:
@@ -307,7 +322,6 @@ def load_catalog(path: str | Path, *, arch: str | None = None) -> list[Attention
     if not isinstance(tables, list) or not tables:
         raise CatalogError(path, None, None, "no [[spec]] tables found")
     allowed = {f.name for f in fields(AttentionSpec)} | {"head_dim", "dtype"}
-    specs: list[AttentionSpec] = []
     for t, table in enumerate(tables):
         if not isinstance(table, dict):
             raise CatalogError(path, t, None, f"expected a [[spec]] table, got {table!r}")
@@ -320,6 +334,15 @@ def load_catalog(path: str | Path, *, arch: str | None = None) -> list[Attention
                 raise CatalogError(path, t, key, "expected a scalar or a list of scalars")
         if "op" not in table:
             raise CatalogError(path, t, "op", f"missing; expected one of {', '.join(OPS)}")
+    sizes = [table_size(t) for t in tables]
+    if sum(sizes) > max_specs:
+        t = max(range(len(tables)), key=sizes.__getitem__)
+        raise CatalogError(path, None, None,
+                           f"expands to {sum(sizes):,} specs, more than the {max_specs:,} a catalog may hold (the "
+                           f"largest, [[spec]] table #{t + 1}, is {_product_text(tables[t])} = {sizes[t]:,}); narrow "
+                           "its lists or split the catalog, or pass --max-specs N if you mean it")
+    specs: dict[AttentionSpec, None] = {}  # ordered and de-duplicated in O(1) per spec
+    for t, table in enumerate(tables):
         for combo in expand_table(table):
             if arch is not None and "arch" not in combo:
                 combo["arch"] = arch
@@ -334,9 +357,8 @@ def load_catalog(path: str | Path, *, arch: str | None = None) -> list[Attention
             siblings = [spec] if "family" in table or spec.family is None else [
                 spec if f == spec.family else spec.replace(family=f) for f in _dispatch_families(spec)]
             for s in siblings:
-                if s not in specs:
-                    specs.append(s)
-    return specs
+                specs.setdefault(s)
+    return list(specs)
 
 
 def _dispatch_families(spec: AttentionSpec) -> list[str]:

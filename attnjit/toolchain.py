@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -19,12 +20,20 @@ BASE_FLAGS = ("-cubin", "-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v")
 @dataclass(frozen=True)
 class Nvcc:
     path: Path
-    version: str  # the full `nvcc --version` text: any difference gives new cache keys
+    version: str  # the full `nvcc --version` text: recorded in each manifest it builds (not in the key)
 
     @property
     def release(self) -> str:
         m = re.search(r"release ([\d.]+)", self.version)
         return m.group(1) if m else "?"
+
+    @property
+    def ident(self) -> str:
+        """A short name of this toolchain for manifests, ``cache list`` and ``prune --built-by``:
+        ``nvcc 13.0 V13.0.88`` (a hash of the version text stands in for a build id it lacks)."""
+        m = re.search(r"\bV(\d+(?:\.\d+)+)", self.version)
+        build = f"V{m.group(1)}" if m else "#" + hashlib.sha256(self.version.encode()).hexdigest()[:8]
+        return f"nvcc {self.release} {build}"
 
 
 _version_memo: dict[tuple[str, int, int], str] = {}

@@ -43,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
 
 # Environment variables a CPU test must not inherit (they would change keys, roots, strictness or layers).
 _ISOLATED = ("ATTNJIT_CACHE_PATH", "ATTNJIT_JIT", "ATTNJIT_LOG", "ATTNJIT_LOCK_TIMEOUT", "ATTNJIT_ARCH",
-             "ATTNJIT_JOBS", "ATTNJIT_NUM_SMS")
+             "ATTNJIT_ARCH_OVERRIDE", "ATTNJIT_JOBS", "ATTNJIT_NUM_SMS")
 
 
 @pytest.fixture(autouse=True)
@@ -58,6 +58,7 @@ def _isolated_cache_env(request, tmp_path_factory):
     for name in _ISOLATED:
         mp.delenv(name, raising=False)
     mp.setenv("ATTNJIT_CACHE_DIR", str(tmp_path_factory.mktemp("default-root") / "cache"))
+    mp.setenv("ATTNJIT_PACKAGES", "0")  # kernel packages installed on this machine are not the test's
     yield
 
 

@@ -94,3 +94,38 @@ def parse_summary(stdout: str) -> tuple[int, int, int, int]:
     m = re.fullmatch(r"(\d+) specs: (\d+) built, (\d+) cached, (\d+) failed \((\d+\.\d) s\)", line)
     assert m, f"warm summary line has the wrong format: {line!r}"
     return tuple(int(g) for g in m.groups()[:4])  # type: ignore[return-value]
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Processes whose environment holds ``ATTNJIT_TEST_TAG=<tag>`` (children inherit it, whatever their process
+    group or session): what a test started, and only that."""
+    needle = f"ATTNJIT_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    for pid in tagged_processes(tag):
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def hidden_nvcc_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]:
+    """An environment with no nvcc anywhere: PATH without it, no CUDA_HOME, and an ATTNJIT_NVCC that leaves a
+    mark (and fails) if anything runs it."""
+    ran = tmp_path / "nvcc-was-run"
+    poison = write_script(tmp_path / "poison-nvcc", f'echo "$@" >> "{ran}"\nexit 97\n')
+    (tmp_path / "empty-bin").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_HOME"}
+    env.update(PATH=str(tmp_path / "empty-bin"), ATTNJIT_NVCC=str(poison), PYTHONPATH=str(REPO), **extra)
+    return env, ran

@@ -28,11 +28,10 @@ from attnjit.errors import (CacheMissError, CacheReadOnlyError, CompileError, Lo
 from attnjit.generator import Rendered
 from attnjit.specs import AttentionSpec
 from attnjit.toolchain import Nvcc, find_nvcc, flags_for, nvcc
-from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, nvcc_wrapper,
-                               parse_summary, run_cli, snapshot, write_script)
+from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, kill_tagged,
+                               nvcc_wrapper, parse_summary, run_cli, snapshot, write_script)
 
-KEY_INPUTS = dict(source='extern "C" __global__ void k(int *p) { *p = 1; }\n', flags=("-cubin", "-O3"),
-                  nvcc_version="Cuda compilation tools, release 13.0, V13.0.88", arch="sm_90a")
+KEY_INPUTS = dict(source='extern "C" __global__ void k(int *p) { *p = 1; }\n', flags=("-cubin", "-O3"), arch="sm_90a")
 TINY_SOURCE = 'extern "C" __global__ void attnjit_tiny(int *p) { *p = 42; }\n'
 BROKEN_SOURCE = '__global__ void k() { int x = ; }\n'
 FAKE_NVCC = Nvcc(Path("/nonexistent/nvcc"), "fake nvcc, release 0.0")  # for jobs that never reach a compiler
@@ -72,12 +71,10 @@ CHANGES = {
     "flag added": dict(flags=KEY_INPUTS["flags"] + ("-lineinfo",)),
     "flag changed": dict(flags=("-cubin", "-O2")),
     "flag order": dict(flags=("-O3", "-cubin")),
-    "nvcc version": dict(nvcc_version=KEY_INPUTS["nvcc_version"].replace("V13.0.88", "V13.0.89")),
     "arch": dict(arch="sm_100a"),
     # fields are length-delimited: moving bytes across a boundary is a different key
     "flag boundary": dict(flags=("-cubin-O3",)),
-    "source/version boundary": dict(nvcc_version=KEY_INPUTS["nvcc_version"] + "e",
-                                    source=KEY_INPUTS["source"][1:]),
+    "flags/source boundary": dict(flags=("-cubin", "-O3e"), source=KEY_INPUTS["source"][1:]),
 }
 
 
@@ -90,11 +87,12 @@ def test_every_key_input_changes_the_key():
 
 
 def test_nothing_but_the_key_inputs_changes_the_key(tmp_path):
-    tool = Nvcc(Path("/opt/a/nvcc"), KEY_INPUTS["nvcc_version"])
+    tool = Nvcc(Path("/opt/a/nvcc"), "Cuda compilation tools, release 13.0, V13.0.88")
     a = Job(source=KEY_INPUTS["source"], flags=KEY_INPUTS["flags"], nvcc=tool, arch="sm_90a", label="a",
             meta={"spec": {"op": "x"}}, context=object())
-    # another label, manifest metadata, context and nvcc location (same --version text): same key
-    b = Job(source=KEY_INPUTS["source"], flags=KEY_INPUTS["flags"], nvcc=Nvcc(Path("/opt/b/nvcc"), tool.version),
+    # another label, manifest metadata, context, nvcc location and nvcc version (the toolchain policy): same key
+    b = Job(source=KEY_INPUTS["source"], flags=KEY_INPUTS["flags"],
+            nvcc=Nvcc(Path("/opt/b/nvcc"), "Cuda compilation tools, release 13.0, V13.0.48"),
             arch="sm_90a", label="b", meta={"note": 1}, context=None)
     assert a.key == b.key == compute_key(**KEY_INPUTS)
     # and the cache root only decides where the entry lives, not its name
@@ -125,31 +123,17 @@ def test_spec_keys_are_stable_and_distinct(tmp_path, monkeypatch):
     assert out == key
 
 
-def test_another_nvcc_version_gives_other_keys(tmp_path, monkeypatch):
-    spec = MERGE_FP16
-    text = "nvcc: NVIDIA (R) Cuda compiler driver\nCuda compilation tools, release 13.0, V13.0.88"
-    (tmp_path / "a").mkdir()
-    a = write_script(tmp_path / "a" / "nvcc", f'printf "{text}\\n"\n')
-    b = write_script(tmp_path / "b-nvcc", f'printf "{text}\\n"\n')
-    c = write_script(tmp_path / "c-nvcc", f'printf "{text}\\nBuild with a local patch\\n"\n')
-    keys = {}
-    for name, path in (("a", a), ("b", b), ("c", c)):
-        monkeypatch.setenv("ATTNJIT_NVCC", str(path))
-        job = jit.job_for(spec)
-        assert job.nvcc.path == path and job.nvcc.release == "13.0"
-        keys[name] = job.key
-    assert keys["a"] == keys["b"], "the nvcc's location changed the key (only its --version text should)"
-    assert keys["c"] != keys["a"], "another `nvcc --version` kept the key"
-
-
-@pytest.mark.nvcc
-def test_a_wrapper_that_passes_version_through_keeps_the_key(tmp_path, monkeypatch):
-    real = find_nvcc()
-    key = jit.job_for(MERGE_FP16).key
-    monkeypatch.setenv("ATTNJIT_NVCC", str(nvcc_wrapper(tmp_path / "same-nvcc", real)))
-    assert jit.job_for(MERGE_FP16).key == key
-    monkeypatch.setenv("ATTNJIT_NVCC", str(nvcc_wrapper(tmp_path / "other-nvcc", real, version_suffix="patched")))
-    assert jit.job_for(MERGE_FP16).key != key
+def test_a_key_is_computed_without_any_nvcc(tmp_path, monkeypatch):
+    """Rendering and keying a spec never looks for, or runs, nvcc (a serving host has none)."""
+    ran = tmp_path / "nvcc-ran"
+    poison = write_script(tmp_path / "poison-nvcc", f': > "{ran}"\nexit 1\n')
+    keys = set()
+    for env in ({"ATTNJIT_NVCC": str(poison)}, {"ATTNJIT_NVCC": str(tmp_path / "missing")}):
+        monkeypatch.setenv("ATTNJIT_NVCC", env["ATTNJIT_NVCC"])
+        job = jit.job_for(MERGE_FP16)
+        assert job.nvcc is None
+        keys.add(job.key)
+    assert len(keys) == 1 and not ran.exists()
 
 
 # --- nvcc discovery ---------------------------------------------------------------------------------------------
@@ -159,8 +143,14 @@ def test_explicit_nvcc_that_does_not_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("ATTNJIT_NVCC", str(missing))
     with pytest.raises(NvccNotFoundError, match=re.escape(f"ATTNJIT_NVCC={missing} (not an executable file)")):
         find_nvcc()
-    with pytest.raises(NvccNotFoundError, match="Set ATTNJIT_NVCC"):
+    # a miss with JIT on and no nvcc names the spec and says nvcc is missing (not a key failure)
+    with pytest.raises(CacheMissError) as info:
         jit.ensure(MERGE_FP16, Cache(tmp_path / "cache", layers=()))
+    err, msg = info.value, str(info.value)
+    assert err.reason == "no-nvcc" and err.spec == MERGE_FP16 and MERGE_FP16.canonical() in msg
+    assert msg.startswith("kernel not in the cache and nvcc is missing, so it cannot be built here (looked at "
+                          f"ATTNJIT_NVCC={missing} (not an executable file))")
+    assert err.command in msg and "set ATTNJIT_NVCC or CUDA_HOME" in msg
 
 
 def test_no_nvcc_anywhere_names_all_three_places(tmp_path, monkeypatch):
@@ -218,10 +208,13 @@ def test_build_publishes_a_complete_private_entry(tmp_path):
     m = json.loads((d / "manifest.json").read_text())
     assert m["key"] == key and m["format"] == CACHE_FORMAT_VERSION
     assert AttentionSpec.from_dict(m["meta"]["spec"]) == MERGE_FP16
-    assert m["key_inputs"] == {"arch": "sm_90a", "flags": list(job.flags), "nvcc_version": job.nvcc.version,
+    assert m["key_inputs"] == {"arch": "sm_90a", "flags": list(job.flags),
                                "source_sha256": hashlib.sha256(job.source.encode()).hexdigest()}
-    assert compute_key(source=job.source, flags=m["key_inputs"]["flags"], nvcc_version=m["key_inputs"]["nvcc_version"],
-                       arch=m["key_inputs"]["arch"]) == key
+    assert compute_key(source=job.source, flags=m["key_inputs"]["flags"], arch=m["key_inputs"]["arch"]) == key
+    local = nvcc()  # the toolchain that built it is recorded, not keyed
+    assert m["toolchain"] == {"id": local.ident, "release": local.release, "version": local.version,
+                              "nvcc": str(local.path)}
+    assert re.fullmatch(r"nvcc \d+\.\d+ V\d+(\.\d+)+", local.ident) and result.entry.toolchain == local.ident
     assert m["cubin_sha256"] == hashlib.sha256(cubin).hexdigest() and m["cubin_bytes"] == len(cubin)
     assert 0 < m["compile_seconds"] < 120 and result.seconds == pytest.approx(m["compile_seconds"], abs=1e-3)
     created = datetime.fromisoformat(m["created"])
@@ -337,7 +330,8 @@ def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
     slow = nvcc_wrapper(tmp_path / "slow-nvcc", find_nvcc(), before_compile=f': > "{started}"\nsleep 60\n')
     spec = MERGE_FP16
     key = jit.job_for(spec).key
-    env = dict(os.environ, ATTNJIT_NVCC=str(slow))
+    tag = f"killed-build-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, ATTNJIT_NVCC=str(slow), ATTNJIT_TEST_TAG=tag)
     cmd = [sys.executable, "-m", "attnjit.cli", "warm", "--spec", spec.as_flags(), "--cache-dir", str(root)]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
@@ -351,10 +345,7 @@ def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
         os.kill(proc.pid, signal.SIGKILL)  # the builder dies mid-compile
         proc.wait(timeout=30)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # and its ninja/nvcc children with it (our own session)
-        except ProcessLookupError:
-            pass
+        kill_tagged(tag)  # and its ninja/nvcc children with it (each in a process group of its own)
     assert not entry_dir(root, key).exists(), "a killed build published an entry"
     with warnings.catch_warnings():
         warnings.simplefilter("error", BadEntryWarning)
@@ -449,8 +440,8 @@ def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
         (d / "manifest.json").write_text(json.dumps(manifest))
         entry, found = cache.read_entry(root, key)
         assert entry is None and problem in found, found
-        with pytest.warns(BadEntryWarning):
-            assert cache.lookup(key) is None
+        with pytest.warns(BadEntryWarning):  # a fresh Cache: one Cache reports each bad entry once
+            assert Cache(root, layers=()).lookup(key) is None
     (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest}))
     assert cache.lookup(key).dir == d
 
@@ -653,3 +644,40 @@ def test_clear_removes_root_entries_but_never_layers(golden, tmp_path):
     assert not (root / "failed").exists()
     assert cache.clear() == 0
     assert Cache(tmp_path / "never-made", layers=()).clear() == 0
+
+
+# --- strict-mode messages ---------------------------------------------------------------------------------------
+
+@pytest.mark.nvcc
+def test_a_strict_miss_on_a_bad_entry_says_it_was_bad_and_why(golden, tmp_path, monkeypatch):
+    root = golden.copy(tmp_path / "cache")
+    d = entry_dir(root, golden.key(MERGE_BF16))
+    _flip_cubin_byte(d)
+    monkeypatch.setenv("ATTNJIT_JIT", "0")
+    with pytest.warns(BadEntryWarning), pytest.raises(CacheMissError) as info:
+        jit.ensure(MERGE_BF16, Cache(root, layers=()))
+    err, msg = info.value, str(info.value)
+    assert err.bad == ((d, err.bad[0][1]),) and err.bad[0][1].startswith("kernel.cubin sha256")
+    assert msg.startswith(f"kernel in the cache is bad ({d}: kernel.cubin sha256 ")
+    assert "ATTNJIT_JIT=0 forbids compiling" in msg and "not in the cache" not in msg and err.command in msg
+
+
+@pytest.mark.nvcc
+def test_a_strict_miss_for_a_main_variant_says_it_cannot_be_named(tmp_path, monkeypatch):
+    import pickle
+
+    from attnjit import Variant
+
+    local = Variant("local_cap", params={"cap": float}, logits_transform="return cap * tanhf(logit / cap);")
+    spec = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", variant=local)
+    monkeypatch.setenv("ATTNJIT_JIT", "0")
+    with pytest.raises(CacheMissError) as info:
+        jit.ensure(spec, Cache(tmp_path / "cache", layers=()))
+    err, msg = info.value, str(info.value)
+    assert err.command is None and "attnjit warm" not in msg
+    assert "Its variant 'local_cap' was declared in __main__ (or not at module level), so no catalog or --spec can " \
+           "name it" in msg and "attnjit.warm([spec])" in msg
+    # the error pickles (a Variant itself does not yet, so check a plain spec's)
+    plain = CacheMissError(MERGE_FP16, "ab" * 32, [tmp_path], None, bad=((tmp_path, "why"),), hint=err.hint)
+    back = pickle.loads(pickle.dumps(plain))
+    assert type(back) is CacheMissError and str(back) == str(plain) and back.bad == plain.bad

@@ -121,10 +121,14 @@ def test_cache_list_verify_prune_clear(golden, tmp_path):
     proc = run_cli("cache", "list", "--cache-dir", root)
     assert proc.returncode == 0
     lines = proc.stdout.strip().splitlines()
-    assert lines[-1] == "4 entries"
+    sizes = {s: sum(p.stat().st_size for p in entry_dir(root, golden.key(s)).iterdir()) for s in golden.specs}
+    assert lines[-1] == f"4 entries, {sum(sizes.values()) / 1024:.1f} KiB"
+    assert [ln.split()[1] for ln in lines[:-1]] == sorted(s.short_name() for s in golden.specs), "not sorted by label"
+    tool = Cache(root, layers=()).lookup(golden.key(MERGE_FP16)).toolchain
     for spec in golden.specs:
         row = next(ln for ln in lines if ln.startswith(golden.key(spec)[:16]))
-        assert spec.short_name() in row and row.endswith("root") and "KiB" in row
+        assert spec.short_name() in row and row.endswith("root") and f"{sizes[spec] / 1024:.1f} KiB" in row
+        assert f"  {tool} " in row, "the row does not name the toolchain that built it"
 
     proc = run_cli("cache", "verify", "--cache-dir", root)
     assert proc.returncode == 0 and proc.stdout.strip() == "4 entries checked, 0 bad"
@@ -132,6 +136,7 @@ def test_cache_list_verify_prune_clear(golden, tmp_path):
     (entry_dir(root, golden.key(MERGE_BF16)) / "manifest.json").unlink()
     proc = run_cli("cache", "list", "--cache-dir", root)
     assert re.search(rf"^{golden.key(MERGE_BF16)[:16]}  BAD \(manifest.json missing\)  root$", proc.stdout, re.M)
+    assert proc.stdout.strip().splitlines()[-1].endswith(", 1 bad")
     proc = run_cli("cache", "verify", "--cache-dir", root)
     assert proc.returncode == 1
     assert proc.stdout.strip().splitlines() == [f"BAD {entry_dir(root, golden.key(MERGE_BF16))}: manifest.json missing",
@@ -141,17 +146,30 @@ def test_cache_list_verify_prune_clear(golden, tmp_path):
     sizes = {s: sum(p.stat().st_size for p in entry_dir(root, golden.key(s)).iterdir()) for s in golden.specs}
     keep = sizes[APPEND_FP16] + sizes[PREFILL_D64] + sizes[MERGE_FP16]
     proc = run_cli("cache", "prune", "--max-bytes", keep, "--cache-dir", root)
-    assert proc.returncode == 0 and proc.stdout.strip() == f"removed 1 entries; {keep} bytes remain in {root}"
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"removed 1 entries; {keep} bytes ({keep / 1024:.1f} KiB) remain in {root}"
     proc = run_cli("cache", "prune", "--cache-dir", root)
-    assert proc.returncode == 2 and error_lines(proc.stderr) == ["attnjit: error: cache prune needs --max-bytes N"]
-    proc = run_cli("cache", "prune", "--max-bytes", "-1", "--cache-dir", root)
-    assert proc.returncode == 1 and error_lines(proc.stderr) == \
-        ["attnjit: error: ValueError: max_bytes must be >= 0, got -1"]
+    assert proc.returncode == 2 and error_lines(proc.stderr) == [
+        "attnjit: error: cache prune needs --max-bytes SIZE (e.g. 500M) or --built-by TOOLCHAIN (see attnjit cache "
+        "list)"]
+    for bad in ("-1", "5X", "lots"):
+        proc = run_cli("cache", "prune", "--max-bytes", bad, "--cache-dir", root)
+        assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+        assert f"argument --max-bytes: {bad!r} is not a size" in error_lines(proc.stderr)[0]
+    proc = run_cli("cache", "prune", "--max-bytes", "1K", "--dry-run", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("would remove 3 entries; 0 bytes")
+    assert len(list(Cache(root, layers=()).iter_entries())) == 3, "a dry run removed something"
+    proc = run_cli("cache", "prune", "--max-bytes", "500M", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.startswith("removed 0 entries")
 
+    proc = run_cli("cache", "clear", "--dry-run", "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == f"would remove 3 entries from {root}"
+    assert sum(ln.startswith("would remove /") for ln in proc.stdout.splitlines()) == 3
+    assert len(list(Cache(root, layers=()).iter_entries())) == 3, "a dry run removed something"
     proc = run_cli("cache", "clear", "--cache-dir", root)
     assert proc.returncode == 0 and proc.stdout.strip() == f"removed 3 entries from {root}"
     proc = run_cli("cache", "list", "--cache-dir", root)
-    assert proc.stdout.strip() == "0 entries"
+    assert proc.stdout.strip() == "0 entries, 0 B"
 
 
 @pytest.mark.nvcc
@@ -159,7 +177,7 @@ def test_cache_commands_use_the_environment_root_and_layers(golden, tmp_path):
     layer = golden.copy(tmp_path / "layer")
     env = dict(os.environ, ATTNJIT_CACHE_DIR=str(tmp_path / "root"), ATTNJIT_CACHE_PATH=str(layer))
     proc = run_cli("cache", "list", env=env)
-    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "4 entries"
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1].startswith("4 entries, ")
     assert all(ln.endswith(f"layer {layer}") for ln in proc.stdout.strip().splitlines()[:-1])
     proc = run_cli("cache", "clear", env=env)  # never touches a layer
     assert proc.stdout.strip() == f"removed 0 entries from {tmp_path / 'root'}"
@@ -185,8 +203,9 @@ def test_info_prints_nvcc_arch_root_and_layers(tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert re.search(rf"^nvcc: {re.escape(str(find_nvcc()))} \(release \d+\.\d+\)$", out, re.M), out
-    assert re.search(r"^gpu: ", out, re.M)
-    assert "default arch: sm_90a\n" in out
+    assert re.search(r"^gpus: ", out, re.M)
+    if "gpus: none\n" in out:
+        assert "warm arch: sm_90a (from the default (no GPU here))\n" in out
     assert f"cache root: {root} (writable)\n" in out
     assert "cache layers: (none; set ATTNJIT_CACHE_PATH)\n" in out
     assert "strict mode (ATTNJIT_JIT=0): off\n" in out
@@ -197,7 +216,8 @@ def test_info_prints_nvcc_arch_root_and_layers(tmp_path):
     out = run_cli("info", env=env).stdout
     assert f"cache layers: {layer}\n" in out and f"  {layer}: 0 entries, 0.0 KiB\n" in out
     assert f"  {root}: 0 entries, 0.0 KiB (absent)\n" in out
-    assert "default arch: sm_80\n" in out and "strict mode (ATTNJIT_JIT=0): on\n" in out
+    assert ("warm arch: sm_80 (from ATTNJIT_ARCH)\n" in out or "gpus: none\n" not in out)
+    assert "strict mode (ATTNJIT_JIT=0): on\n" in out
 
 
 def test_info_without_nvcc_still_works(tmp_path):
@@ -230,14 +250,20 @@ def test_render_of_one_spec():
 # --- catalog from-log -------------------------------------------------------------------------------------------
 
 def test_sample_log_has_the_dispatch_record_format():
-    """tests/data/sample_run.jsonl holds records exactly as DispatchRecord.to_json writes them."""
+    """tests/data/sample_run.jsonl holds records as DispatchRecord.to_json wrote them before records named the
+    toolchain (``built_by``, the last field): old logs still read, and a record round-trips."""
     lines = SAMPLE_LOG.read_text().splitlines()
     assert len(lines) == 3
+    names = [f.name for f in fields(DispatchRecord)]
+    assert names[-1] == "built_by"
     for line in lines:
         d = json.loads(line)
-        assert list(d) == [f.name for f in fields(DispatchRecord)]
+        assert list(d) == names[:-1]
         record = DispatchRecord(**{**d, "grid": tuple(d["grid"]), "block": tuple(d["block"])})
-        assert record.to_json() == line
+        assert record.built_by is None and record.to_json() == line[:-1] + ',"built_by":null}'
+        record = DispatchRecord(**{**d, "grid": tuple(d["grid"]), "block": tuple(d["block"]),
+                                   "built_by": "nvcc 13.0 V13.0.88"})
+        assert json.loads(record.to_json())["built_by"] == "nvcc 13.0 V13.0.88"
         spec = AttentionSpec.from_dict(json.loads(d["spec"]))
         assert spec.canonical() == d["spec"]
 
@@ -311,3 +337,38 @@ def test_ncu_source_summary_splits_samples_by_region_and_execution_count(tmp_pat
     assert "800x: 80.0% (2 instr)" in out and "100x: 20.0% (2 instr)" in out
     assert "stall reasons: wait 77.8%, long_sb 22.2%" in out
     assert out.splitlines()[-3].startswith("L 0x01010 60.00% notissued       40 exec        800  HMMA")
+
+
+# --- one clean line for each bad argument -------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,words", [
+    (("warm", "--spec", ""), "--spec: empty spec; expected key=value"),
+    (("warm", "--spec", "   "), "--spec: empty spec; expected key=value"),
+    (("warm", "--spec", "{}"), "--spec: "),
+    (("warm", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "--cache-dir", ""), "an empty --cache-dir"),
+    (("cache", "list", "--cache-dir", ""), "an empty --cache-dir"),
+    (("info", "--cache-dir", ""), "an empty --cache-dir"),
+    (("warm", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "--max-specs", "x"), "--max-specs"),
+    (("cache", "frobnicate"), "invalid choice: 'frobnicate'"),
+])
+def test_a_bad_argument_is_one_error_line(tmp_path, args, words):
+    proc = run_cli(*args, env=dict(os.environ, ATTNJIT_CACHE_DIR=str(tmp_path / "default")))
+    assert proc.returncode in (1, 2)
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnjit: error: ") and words in lines[0], proc.stderr
+    assert not (tmp_path / "default").exists(), "a rejected command touched the default cache"
+
+
+def test_warm_of_an_absurd_catalog_says_the_count(tmp_path):
+    catalog = tmp_path / "huge.toml"
+    catalog.write_text('[[spec]]\nop = "prefill"\nhead_dim = [64, 128, 256]\npage_size = [1, 2, 4, 8, 16, 32, 64, 128]\n'
+                       f'group_size = {list(range(1, 65))}\ndtype = ["fp16", "bf16"]\nmask = ["none", "causal"]\n'
+                       'layout = ["NHD", "HND"]\nkv = ["paged", "paged"]\n'
+                       'arch = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a"]\n')
+    proc = run_cli("warm", catalog, "--cache-dir", tmp_path / "cache", timeout=30)
+    assert proc.returncode == 1
+    (line,) = error_lines(proc.stderr)
+    assert "expands to 122,880 specs, more than the 100,000" in line and "--max-specs" in line
+    proc = run_cli("render", catalog, "--max-specs", "10", timeout=30)
+    assert proc.returncode == 1 and "more than the 10 a catalog may hold" in error_lines(proc.stderr)[0]

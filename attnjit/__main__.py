@@ -1,0 +1,7 @@
+"""``python -m attnjit``: the ``attnjit`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

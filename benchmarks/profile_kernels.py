@@ -2,13 +2,14 @@
 
     python3 benchmarks/profile_kernels.py prefill 32x512     # paged causal prefill, batch x length
     python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
-    ncu --clock-control none -k regex:attnjit_attention --launch-skip 2 --launch-count 1 --set full \\
+    ncu --clock-control none -k regex:"attnjit_(attention|sm90)" --launch-skip 2 --launch-count 1 --set full \\
         python3 benchmarks/profile_kernels.py prefill 32x512
 `bash scripts/gpu_check.sh profile` runs it under ncu for both libraries and summarizes the stalls.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -38,7 +39,8 @@ def main() -> None:
         kw = {}
     fi = load_flashinfer()
     if fi is not None:
-        make["flashinfer"] = (lambda ws: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")) \
+        backend = os.environ.get("PROFILE_FI_BACKEND", "fa3")  # the competitor of attnjit's default family
+        make["flashinfer"] = (lambda ws: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)) \
             if op == "prefill" else (lambda ws: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True))
     for name, new in make.items():
         w = new(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))

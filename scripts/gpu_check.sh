@@ -64,7 +64,7 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
     python3 -m pip install -q --no-index --no-deps --target /tmp/fi/site /tmp/fi/apache_tvm_ffi*.whl >/dev/null 2>&1 &&
     export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
            MAX_JOBS=16 && fi_flag=""
-  [ -f .bench/fi-jit.tar.xz ] && tar xJf .bench/fi-jit.tar.xz -C /tmp/fiws
+  for f in .bench/fi-jit.tar.xz .bench/fi-jit-device.tar.xz; do [ -f "$f" ] && tar xJf "$f" -C /tmp/fiws; done
   fi_files_before=$(find /tmp/fiws -type f | wc -l)
 }
 
@@ -135,7 +135,7 @@ if has profile; then   # Nsight Compute on the short prefill rows, attnjit and F
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do
     for who in attnjit flashinfer; do
-      k=attnjit_attention; [ $who = flashinfer ] && k=Prefill
+      k="attnjit_(attention|sm90)"; [ $who = flashinfer ] && k=Prefill
       "$ncu" --clock-control none -k regex:$k --launch-skip 2 --launch-count 1 --set full --import-source yes \
         -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py prefill $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1

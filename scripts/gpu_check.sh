@@ -64,8 +64,9 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
     python3 -m pip install -q --no-index --no-deps --target /tmp/fi/site /tmp/fi/apache_tvm_ffi*.whl >/dev/null 2>&1 &&
     export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
            MAX_JOBS=16 && fi_flag=""
-  for f in .bench/fi-jit.tar.xz .bench/fi-jit-device.tar.xz; do [ -f "$f" ] && tar xJf "$f" -C /tmp/fiws; done
+  for f in .bench/fi-jit-*.tar.xz; do [ -f "$f" ] && tar xJf "$f" -C /tmp/fiws; done   # oldest name first: later ones win
   fi_files_before=$(find /tmp/fiws -type f | wc -l)
+  touch /tmp/fiws/.carried   # what FlashInfer compiles from here on is newer: only that travels back
 }
 
 if has smoke; then   # each family on a few batches, under a timeout: a hanging kernel family is skipped below
@@ -162,7 +163,8 @@ if has model; then
 fi
 
 if [ -d /tmp/fiws/.cache ] && [ "$(find /tmp/fiws -type f | wc -l)" != "${fi_files_before:-0}" ]; then
-  tar -C /tmp/fiws -cf - .cache | xz -T0 -3 >"$OUT/fi-jit.tar.xz"   # FlashInfer compiled something new: send it back
+  # FlashInfer compiled something new: send back only those modules (the device tool returns files up to 16 MB)
+  (cd /tmp/fiws && find .cache -newer .carried -type f -print0 | tar --null -T - -cf - | xz -T0 -6 >"$OUT/fi-jit-new.tar.xz")
 fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"

@@ -42,7 +42,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}")
     dev = q.device
-    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_workspace_for(dev), variant=variant)
+    wrapper = BatchPrefillWithRaggedKVCacheWrapper(_workspace_for(dev), variant=variant, backend=backend)
     qo_indptr = torch.tensor([0, q.shape[0]], dtype=torch.int32)   # host metadata: plan() reads it without a sync
     kv_indptr = torch.tensor([0, k.shape[0]], dtype=torch.int32)
     wrapper.plan(qo_indptr, kv_indptr, q.shape[1], k.shape[1], q.shape[2], causal=causal, sm_scale=sm_scale,
@@ -50,10 +50,11 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                  use_fp16_qk_reduction=use_fp16_qk_reduction, window_left=window_left,
                  logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
                  q_data_type=q.dtype, kv_data_type=k.dtype)
+    # a copy in fresh storage: .contiguous() keeps a dense view that starts off a 16-byte boundary
     if k.stride() != v.stride() or not (vector_ready(k) and vector_ready(v)):
-        k, v = k.contiguous(), v.contiguous()
+        k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
     if not vector_ready(q):
-        q = q.contiguous()
+        q = q.clone(memory_format=torch.contiguous_format)
     return wrapper.run(q, k, v, return_lse=return_lse, **variant_params)
 
 

@@ -130,7 +130,7 @@ def test_missing_variant_parameter_is_a_type_error_naming_variant_and_parameter(
     w.plan(*b.tensors(DEV), H_Q, H_KV, D, 16, causal=True, q_data_type=torch.bfloat16)
     with pytest.raises(TypeError, match=r"variant 'head_scale' needs parameter 'head_scale'"):
         w.run(b.q, b.cache)
-    with pytest.raises(TypeError, match=r"must be a contiguous torch.float32 tensor"):
+    with pytest.raises(TypeError, match=r"parameter 'head_scale' must be a torch.float32 tensor"):
         w.run(b.q, b.cache, head_scale=torch.ones(H_Q, dtype=torch.float16, device=DEV))
     out = w.run(b.q, b.cache, head_scale=torch.ones(H_Q, device=DEV))
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,

@@ -126,6 +126,7 @@ struct Consumer {
   float s[N / 2];               // S accumulator (then P in fp32), m64nN layout
   uint32_t pf[N / 16][4];       // P as the A operand of P V (bf16/fp16 pairs), one k16 slice per entry
   float m[2], l[2], alpha[2];   // running max (log2 units), this thread's partial row sums, last rescale
+  bool rescale = false;         // some row of this warp has a new max: O must be multiplied by alpha
 
   __device__ Consumer(const P& p, const Smem<Tr>& smem, int wg_)
       : it(p),
@@ -136,13 +137,15 @@ struct Consumer {
         row0(wg_ * Tr::WG_ROWS + ((threadIdx.x % 128) / 32) * 16 + (threadIdx.x % 32) / 4) {}
 
   // S = Q K^T over the head dim: D/16 k-slices, each a wgmma from the two 128-byte-swizzled tiles.
+  // (Each descriptor is built once from the tile's base and moved along by constants: the start address is the
+  // low 14-bit field, in 16-byte units, and no k-slice offset carries out of it.)
   __device__ __forceinline__ void issue_qk(int stage) {
-    const uint32_t q_addr = smem_u32(sm.q(qstage)) + wg * Tr::WG_ROWS * 128;
-    const uint32_t k_addr = smem_u32(sm.k(stage));
+    const uint64_t a0 = smem_desc(smem_u32(sm.q(qstage)) + wg * Tr::WG_ROWS * 128, 16, 1024);
+    const uint64_t b0 = smem_desc(smem_u32(sm.k(stage)), 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t a = smem_desc(q_addr + (kk / 4) * Tr::Q_STEP + (kk % 4) * 32, 16, 1024);
-      const uint64_t b = smem_desc(k_addr + (kk / 4) * Tr::KV_STEP + (kk % 4) * 32, 16, 1024);
+      const uint64_t a = a0 + (((kk / 4) * Tr::Q_STEP + (kk % 4) * 32) >> 4);
+      const uint64_t b = b0 + (((kk / 4) * Tr::KV_STEP + (kk % 4) * 32) >> 4);
       wgmma_ss<N, T>(s, a, b, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
@@ -150,9 +153,9 @@ struct Consumer {
 
   // O += P V over the tile's kv rows: N/16 k-slices, V MN-major (rows are kv tokens, 64-column blocks KV_STEP apart).
   __device__ __forceinline__ void issue_pv(int stage) {
-    const uint32_t v_addr = smem_u32(sm.v(stage));
+    const uint64_t b0 = smem_desc(smem_u32(sm.v(stage)), Tr::KV_STEP, 1024);
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], smem_desc(v_addr + kk * 16 * 128, Tr::KV_STEP, 1024));
+    for (int kk = 0; kk < N / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], b0 + ((kk * 16 * 128) >> 4));
     wgmma_commit();
   }
 
@@ -198,6 +201,7 @@ struct Consumer {
       return;
     } else {
       const float sc = V::HAS_LOGITS_TRANSFORM ? kLog2e : scale2;  // the logits may already be scaled
+      bool moved = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
@@ -208,6 +212,7 @@ struct Consumer {
         const float mx = fmaxf(m[r], raw * sc);
         const float m_safe = mx == neg_inf() ? 0.f : mx;
         alpha[r] = fast_exp2(m[r] - m_safe);
+        moved |= mx != m[r];
         m[r] = mx;
         float sum = 0.f;
 #pragma unroll
@@ -220,11 +225,13 @@ struct Consumer {
           }
         l[r] = l[r] * alpha[r] + sum;
       }
+      rescale = __any_sync(0xffffffffu, moved);  // warp-uniform: the rescale below is skipped or done by all lanes
     }
   }
 
   __device__ __forceinline__ void rescale_o() {
     if constexpr (V::USE_SOFTMAX) {
+      if (!rescale) return;  // no row max of this warp moved since the last tile: alpha is 1 everywhere
 #pragma unroll
       for (int j = 0; j < D / 8; ++j) {
         o[4 * j + 0] *= alpha[0];
@@ -410,7 +417,10 @@ struct Consumer {
     if (wg == 1) pass_turn();  // the first consumer takes the first turn
     for_each_item(p, [&](int w, int head) {
       it.kv_head = head;
-      if (!it.setup(w)) return;
+      // what steers the loops, broadcast from lane 0 (the values are the same in every lane): the compiler then
+      // knows the ring positions are warp-uniform and keeps the wgmma descriptors in uniform registers
+      if (!__shfl_sync(0xffffffffu, it.setup(w), 0)) return;
+      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);
       qstage = qr.stage;
       mbar_wait(sm.q_full(qstage), qr.phase);
       qr.advance();
@@ -459,7 +469,9 @@ __device__ __forceinline__ void attention_body(const P& p) {
     produce<Tr>(p, sm);
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    Consumer<Tr, P> c(p, sm, (threadIdx.x - 128) / 128);
+    // the warpgroup index broadcast from lane 0: the compiler then knows it is warp-uniform, so the wgmma
+    // descriptors built from it stay in uniform registers (no per-wgmma R2UR moves)
+    Consumer<Tr, P> c(p, sm, __shfl_sync(0xffffffffu, (static_cast<int>(threadIdx.x) - 128) / 128, 0));
     c.run(p);
   }
 }

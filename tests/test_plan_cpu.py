@@ -245,10 +245,11 @@ PAGED_BAD = {
     "indptr past indices": (dict(paged_kv_indptr=[0, 2, 3, 7]), ValueError,
                             r"paged_kv_indices has 6 entries but paged_kv_indptr\[-1\]=7"),
     "causal qo_len > kv_len": (dict(qo_indptr=[0, 3, 6, 10]), ValueError,
-                               r"request 1 has 3 query rows but a KV length of 2; with causal=True"),
+                               r"qo_indptr: request 1 has 3 query rows but a KV length of 2 \(paged_kv_indptr/paged_kv_last_page_len\); "
+                               r"with causal=True"),
     "H_q not a multiple of H_kv": (dict(num_qo_heads=30), ValueError,
                                    r"num_qo_heads=30 must be a multiple of num_kv_heads=8"),
-    "zero kv heads": (dict(num_kv_heads=0), ValueError, r"num_kv_heads must be a positive int, got 0"),
+    "zero kv heads": (dict(num_kv_heads=0), ValueError, r"num_kv_heads must be a positive int <= 1024, got 0"),
     "head_dim 96": (dict(head_dim_qk=96), ValueError,
                     r"head_dim_qk=96 is not supported: allowed head dims are 64, 128, 256"),
     "head_dim_vo differs": (dict(head_dim_vo=64), ValueError, r"head_dim_vo=64 must equal head_dim_qk=128"),
@@ -260,7 +261,7 @@ PAGED_BAD = {
     "page_size 3": (dict(page_size=3), ValueError, r"page_size=3 is not supported: expected a power of two"),
     "page_size 256": (dict(page_size=256), ValueError, r"page_size=256 is not supported"),
     "sm_scale negative": (dict(sm_scale=-1.0), ValueError, r"sm_scale must be a positive finite number, got -1.0"),
-    "negative soft cap": (dict(logits_soft_cap=-30.0), ValueError, r"logits_soft_cap=-30.0 must be a positive number"),
+    "negative soft cap": (dict(logits_soft_cap=-30.0), ValueError, r"logits_soft_cap must be a positive finite number, got -30.0"),
     "bad window": (dict(window_left=-5), ValueError, r"window_left=-5 must be -1 \(no window\) or a non-negative int"),
     "rope": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, r"pos_encoding_mode='ROPE_LLAMA' is not "
                                                                         r"supported"),

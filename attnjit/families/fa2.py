@@ -15,6 +15,8 @@ import functools
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
+
 if TYPE_CHECKING:
     from ..specs import AttentionSpec
 
@@ -121,11 +123,12 @@ def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: 
     SMs, the split-KV case)."""
     all_tiles = tiles(spec)
     group = spec.group_size
-    max_rows = max((q * group for q in qo_lens), default=0)
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    max_rows = int(qo.max(initial=0)) * group
     fitting = [t for t in all_tiles if max_rows <= t.cta_q] or [all_tiles[-1]]
     tile = fitting[0]
     if len(fitting) > 1 and fitting[1].tag == "deep" and allow_split:
-        items = sum(-(-(q * group) // tile.cta_q) for q in qo_lens if q) * num_kv_heads
+        items = int((-(-(qo[qo > 0] * group) // tile.cta_q)).sum()) * num_kv_heads
         if items < capacity(tile):
             tile = fitting[1]
     return tile

@@ -39,6 +39,7 @@ class Tile:
     page_size: int   # 0 for ragged KV
     cta_kv: int      # kv tokens per tile (wgmma N of S = Q K^T)
     stages: int      # K and V tiles in flight, each in its own ring
+    q_stages: int = 2  # Q tiles: 2 lets the producer load the next item's Q while the consumers finish this one
     consumers: int = 2
     min_blocks: int = 1
 
@@ -54,12 +55,12 @@ class Tile:
     def smem(self) -> int:
         q = self.cta_q * self.head_dim * 2
         kv = self.cta_kv * self.head_dim * 2
-        barriers = 2 + 4 * self.stages
-        return q + 2 * self.stages * kv + barriers * 8 + 1024
+        barriers = 2 * self.q_stages + 4 * self.stages
+        return self.q_stages * q + 2 * self.stages * kv + barriers * 8 + 1024
 
     @property
     def name(self) -> str:
-        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}_ws"
+        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}q{self.q_stages}_ws"
 
     @property
     def kernel(self) -> str:
@@ -70,9 +71,9 @@ class Tile:
 def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     d = spec.head_dim_qk
     page_size = spec.page_size or 0
-    if d == 256:
-        return (Tile(d, page_size, cta_kv=64, stages=2),)
-    return (Tile(d, page_size, cta_kv=128, stages=2),)
+    if d == 256:  # 64 KB of Q: one Q tile, 64-token K/V tiles
+        return (Tile(d, page_size, cta_kv=64, stages=2, q_stages=1),)
+    return (Tile(d, page_size, cta_kv=128, stages=2, q_stages=2),)
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,

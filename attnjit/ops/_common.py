@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import NoGPUError
 from ..specs import HEAD_DIMS, MAX_PAGE_SIZE, AttentionSpec
 
 _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -42,9 +43,10 @@ def check_tensor(name: str, t: Any, *, dtype: torch.dtype | tuple[torch.dtype, .
 
 
 def check_metadata(name: str, t: Any, device: torch.device, length: int | None = None, *,
-                   host_ok: bool = False) -> torch.Tensor:
+                   host_ok: bool = False, dense: bool = False) -> torch.Tensor:
     """int32, 1-D, on ``device`` (no silent conversion: int64 metadata is a TypeError). ``host_ok``: plan()
-    metadata may also be a CPU tensor (as in FlashInfer), which spares plan() a device-to-host copy."""
+    metadata may also be a CPU tensor (as in FlashInfer), which spares plan() a device-to-host copy. ``dense``:
+    a kernel reads the tensor through its data pointer, so a strided view (``table[:, 0]``) is an error."""
     if isinstance(t, torch.Tensor) and t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {t.dtype}; convert it with .to(torch.int32) "
                         "(attnjit never converts metadata silently)")
@@ -52,25 +54,52 @@ def check_metadata(name: str, t: Any, device: torch.device, length: int | None =
     check_tensor(name, t, dtype=torch.int32, dim=1, device=None if host else device)
     if length is not None and t.numel() != length:
         raise ValueError(f"{name} must have {length} elements, got {t.numel()}")
+    if dense and t.stride(0) != 1 and t.numel() > 1:
+        raise ValueError(f"{name} must be contiguous: the kernel reads it as a dense int32 array, and this view has "
+                         f"stride {t.stride(0)} (e.g. a column of a table); pass {name}.contiguous()")
     return t
 
 
-def check_indptr(name: str, values: list[int]) -> None:
-    if not values or values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {values[0] if values else 'an empty tensor'}")
-    for i in range(len(values) - 1):
-        if values[i + 1] < values[i]:
-            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={values[i + 1]} < {name}[{i}]="
-                             f"{values[i]} (request {i})")
+def check_vectors(name: str, t: torch.Tensor, dims: tuple[int, ...]) -> None:
+    """The kernels move ``t`` 16 bytes at a time: its data pointer and its strides along ``dims`` (where the dim has
+    more than one element) must be whole multiples of 16 bytes."""
+    off = t.data_ptr() % 16
+    if off:
+        raise ValueError(f"{name} must start on a 16-byte boundary (the kernels read and write it 16 bytes at a "
+                         f"time); this view starts {off} bytes past one (storage offset {t.storage_offset()} "
+                         f"elements). Pass {name}.contiguous() or a view at a multiple of {16 // t.element_size()} "
+                         "elements")
+    es = t.element_size()
+    for d in dims:
+        if t.shape[d] > 1 and (t.stride(d) * es) % 16:
+            raise ValueError(f"{name}.stride({d})={t.stride(d)} elements is not a multiple of {16 // es} (16 bytes), "
+                             f"which the kernels' 16-byte accesses need; got shape {tuple(t.shape)} strides "
+                             f"{t.stride()}. Pass {name}.contiguous()")
 
 
-def check_heads(num_qo_heads: Any, num_kv_heads: Any) -> int:
-    for name, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-        if type(v) is not int or v < 1:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads={num_qo_heads} must be a multiple of num_kv_heads={num_kv_heads} (GQA)")
-    return num_qo_heads // num_kv_heads
+def _overlap_free(dims: list[tuple[int, int]]) -> bool:
+    """(stride, size) pairs: True when no two index tuples share an address (sorted-stride test: each stride
+    reaches past everything the smaller strides span). Sufficient, not necessary: exotic interleavings fail it."""
+    extent = 1
+    for stride, size in sorted((st, sz) for st, sz in dims if sz > 1):
+        if stride < extent:
+            return False
+        extent += stride * (size - 1)
+    return True
+
+
+def check_no_overlap(name: str, t: torch.Tensor) -> None:
+    """A tensor a kernel writes may not have two elements at one address (expand(), as_strided())."""
+    if t.is_contiguous() or _overlap_free([(t.stride(d), t.shape[d]) for d in range(t.dim())]):
+        return
+    raise ValueError(f"{name} is written by the kernel but its elements overlap in memory (shape {tuple(t.shape)} "
+                     f"strides {t.stride()}, e.g. from expand()); pass a tensor whose elements are distinct")
+
+
+def require_cuda(op: str, name: str, t: torch.Tensor) -> None:
+    """Kernels run on CUDA devices only: a tensor elsewhere is attnjit's NoGPUError, after its arguments checked."""
+    if t.device.type != "cuda":
+        raise NoGPUError(f"{op}: {name} is on {t.device}; attnjit kernels run on CUDA devices only")
 
 
 def check_head_dim(name: str, value: Any) -> int:
@@ -117,8 +146,10 @@ class PagedCache:
     v_ptr: int = 0
 
 
-def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
-    """Accept one [P, 2, ...] tensor or a (k, v) tuple, NHD or HND, and check the strides the kernels assume."""
+def unpack_paged_cache(name: str, cache: Any, layout: str, *, written: bool = False) -> PagedCache:
+    """Accept one [P, 2, ...] tensor or a (k, v) tuple, NHD or HND, and check what the kernels assume: fp16/bf16,
+    the last dim contiguous and the next one D apart, 16-byte aligned pages. ``written`` (append): no two elements
+    of the pages may share memory, so a write lands in the page it names and nowhere else."""
     if isinstance(cache, torch.Tensor):
         if cache.dim() != 5 or cache.shape[1] != 2:
             raise ValueError(f"{name} must be [num_pages, 2, page_size, H_kv, D] (NHD) or [num_pages, 2, H_kv, "
@@ -133,6 +164,8 @@ def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
                              f"{k.stride()} {k.dtype} {k.device} and v {tuple(v.shape)} {v.stride()} {v.dtype} {v.device}")
     else:
         raise TypeError(f"{name} must be a 5-D tensor or a (k, v) tuple of 4-D tensors, got {type(cache).__name__}")
+    if k.dtype not in SPEC_DTYPE:
+        raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {k.dtype}")
     if layout == "NHD":
         num_pages, page_size, heads, dim = k.shape
     else:
@@ -142,8 +175,27 @@ def unpack_paged_cache(name: str, cache: Any, layout: str) -> PagedCache:
         what = "heads" if layout == "NHD" else "slots"
         raise ValueError(f"{name}: the last dim must be contiguous and consecutive {what} {dim} elements apart "
                          f"({layout} layout); got strides {k.stride()}. Use a contiguous cache.")
+    check_vectors(f"{name} (k pages)", k, (0, 1, 2))
+    check_vectors(f"{name} (v pages)", v, (0, 1, 2))
+    if written:
+        _check_pages_distinct(name, cache, k, v)
     return PagedCache(k=k, v=v, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
                       stride_page=k.stride(0), stride_inner=k.stride(1), k_ptr=k.data_ptr(), v_ptr=v.data_ptr())
+
+
+def _check_pages_distinct(name: str, cache: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+    if isinstance(cache, torch.Tensor):
+        check_no_overlap(name, cache)
+        return
+    check_no_overlap(f"{name}[0] (k)", k)
+    check_no_overlap(f"{name}[1] (v)", v)
+    if k.untyped_storage().data_ptr() != v.untyped_storage().data_ptr():
+        return
+    delta = abs(v.data_ptr() - k.data_ptr()) // k.element_size()
+    dims = [(k.stride(d), k.shape[d]) for d in range(4)] + [(delta, 2)]
+    if delta == 0 or not _overlap_free(dims):
+        raise ValueError(f"{name}: k and v share memory (v starts {delta} elements after k, strides {k.stride()}); "
+                         "appending would write keys and values over each other")
 
 
 _specs: dict[tuple, AttentionSpec] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,35 +50,30 @@ def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.T
     return packed, indptr
 
 
-def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int, pos_encoding_mode: str,
-         custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, qo_lens: list[int],
-         kv_lens: list[int], num_qo_heads: int, device: torch.device) -> Binding:
-    """The plan's variant: the wrapper's own (if any) composed with the built-ins FlashInfer's arguments ask for."""
+def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int | None, pos_encoding_mode: str,
+         custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, qo_lens, kv_lens,
+         num_qo_heads: int, device: torch.device) -> Binding:
+    """The plan's variant: the wrapper's own (if any) composed with the built-ins FlashInfer's arguments ask for.
+    The scalars arrive checked (planner.plan_options): None is off."""
     parts: list[Variant] = [user] if user is not None else []
     b = Binding()
-    if logits_soft_cap is not None and logits_soft_cap != 0:
-        if not isinstance(logits_soft_cap, (int, float)) or isinstance(logits_soft_cap, bool) or logits_soft_cap < 0:
-            raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be a positive number (0 or None: off)")
+    if logits_soft_cap is not None:
         parts.append(V.SOFTCAP)
         b.bound["logits_soft_cap"] = float(logits_soft_cap)
-    if window_left is not None and window_left != -1:
-        if type(window_left) is not int or window_left < 0:
-            raise ValueError(f"window_left={window_left!r} must be -1 (no window) or a non-negative int")
+    if window_left is not None:
         parts.append(V.SLIDING_WINDOW)
         b.bound["window_left"] = window_left
-    if pos_encoding_mode not in ("NONE", "ALIBI"):
-        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported (NONE or ALIBI; apply "
-                                  "RoPE to q and k before attention, or declare it as a query_transform variant)")
     if pos_encoding_mode == "ALIBI":
         parts.append(V.ALIBI)
         slopes = torch.tensor(V.alibi_slopes(num_qo_heads), dtype=torch.float32, device=device)
         b.bound["alibi_slopes"] = slopes
         b.keep.append(slopes)
     if custom_mask is not None or packed_custom_mask is not None:
-        sizes = [q * k for q, k in zip(qo_lens, kv_lens)]
+        sizes = [int(q) * int(k) for q, k in zip(qo_lens, kv_lens)]
         if custom_mask is not None:
             if not isinstance(custom_mask, torch.Tensor) or custom_mask.dtype != torch.bool:
-                raise TypeError("custom_mask must be a bool tensor (the flattened [qo_len, kv_len] masks of the requests)")
+                raise TypeError("custom_mask must be a bool tensor (the flattened [qo_len, kv_len] masks of the "
+                                f"requests), got {getattr(custom_mask, 'dtype', type(custom_mask).__name__)}")
             if custom_mask.numel() != sum(sizes):
                 raise ValueError(f"custom_mask has {custom_mask.numel()} elements; the batch needs sum(qo_len * kv_len) "
                                  f"= {sum(sizes)}")
@@ -87,7 +83,8 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
         else:
             if not isinstance(packed_custom_mask, torch.Tensor) or packed_custom_mask.dtype != torch.uint8:
                 raise TypeError("packed_custom_mask must be a uint8 tensor (each request's mask bit-packed, little "
-                                "endian, padded to whole bytes)")
+                                "endian, padded to whole bytes), got "
+                                f"{getattr(packed_custom_mask, 'dtype', type(packed_custom_mask).__name__)}")
             indptr = [0]
             for n in sizes:
                 indptr.append(indptr[-1] + (n + 7) // 8)
@@ -96,7 +93,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
                                  f"{indptr[-1]} (sum of ceil(qo_len * kv_len / 8))")
             if packed_custom_mask.device != device:
                 raise ValueError(f"packed_custom_mask is on {packed_custom_mask.device} but the data is on {device}")
-            packed = packed_custom_mask.contiguous()
+            packed = packed_custom_mask.reshape(-1).contiguous()  # a strided view is copied: plan() may copy
         parts.append(V.CUSTOM_MASK)
         mask_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
         b.bound["packed_custom_mask"] = packed
@@ -107,6 +104,10 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
     return b
 
 
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_F32_MAX = 3.4028234663852886e38
+
+
 def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: torch.device,
                 sizes: dict[str, int]) -> int | float:
     """One run()-time parameter -> what its struct field holds (float, int or a device pointer)."""
@@ -114,17 +115,27 @@ def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: t
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{where} must be a float, got {type(value).__name__}")
-        return float(value)
+        value = float(value)
+        if math.isfinite(value) and abs(value) > _F32_MAX:
+            raise ValueError(f"{where}={value!r} does not fit the kernel's float32 (|x| <= {_F32_MAX:.4g})")
+        return value
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{where} must be an int, got {type(value).__name__}")
+        if not _INT32[0] <= value <= _INT32[1]:
+            raise ValueError(f"{where}={value} does not fit the kernel's int32")
         return value
     assert isinstance(kind, TensorParam)
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{where} must be a torch.Tensor ({kind.describe()}), got {type(value).__name__}")
     want = _TORCH_DTYPE[kind.dtype]
-    if value.dtype != want or value.device != device or not value.is_contiguous():
-        raise TypeError(f"{where} must be a contiguous {want} tensor on {device}, got {value.dtype} on {value.device}")
+    if value.dtype != want:
+        raise TypeError(f"{where} must be a {want} tensor, got {value.dtype}")
+    if value.device != device:
+        raise ValueError(f"{where} is on {value.device} but the data is on {device}")
+    if not value.is_contiguous():
+        raise ValueError(f"{where} must be contiguous (the kernel indexes it as a dense array); this view has shape "
+                         f"{tuple(value.shape)} strides {value.stride()}: pass .contiguous()")
     n = sizes.get(kind.per)
     if n is not None and value.numel() != n:
         raise ValueError(f"{where} holds one value per {kind.per}: {n} elements expected, got {value.numel()}")

@@ -1,4 +1,7 @@
-"""merge_state, merge_state_in_place, merge_states: combine attention states over disjoint key sets (base-2 lse)."""
+"""merge_state, merge_state_in_place, merge_states: combine attention states over disjoint key sets (base-2 lse).
+
+The kernels take every tensor's strides, so any view is read right, with two rules: v tensors move 16 bytes at a
+time (16-byte aligned start and token/state/head strides), and a tensor written in place has distinct elements."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import torch
 from .. import dispatch
 from ..generator import PARAMS
 from ..specs import AttentionSpec
-from ._common import SPEC_DTYPE, check_head_dim, check_tensor
+from ._common import SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors, require_cuda
 
 _BLOCK = 128
 _launches: dict[tuple, dispatch.Launch] = {}
@@ -32,6 +35,7 @@ def _check_v(name: str, v, dim: int, device=None) -> torch.Tensor:
     check_head_dim(f"{name}.shape[-1] (head_dim)", v.shape[-1])
     if v.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {v.stride()}")
+    check_vectors(name, v, tuple(range(dim - 1)))
     return v
 
 
@@ -53,6 +57,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
                 s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
     _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
+    require_cuda("merge_state", "v_a", v_a)
     v = torch.empty_like(v_a, memory_format=torch.contiguous_format)
     s = torch.empty(v_a.shape[:2], dtype=torch.float32, device=v_a.device)
     _merge_two(v_a, s_a, v_b, s_b, v, s, None)
@@ -66,7 +71,11 @@ def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor
     if mask is not None:
         check_tensor("mask", mask, dtype=torch.bool, dim=1, device=v.device)
         if mask.shape[0] != v.shape[0] or not mask.is_contiguous():
-            raise ValueError(f"mask must be a contiguous bool [seq={v.shape[0]}] tensor, got {list(mask.shape)}")
+            raise ValueError(f"mask must be a contiguous bool [seq={v.shape[0]}] tensor (the kernel reads it as a "
+                             f"dense array), got shape {list(mask.shape)} strides {mask.stride()}")
+    check_no_overlap("v", v)
+    check_no_overlap("s", s)
+    require_cuda("merge_state_in_place", "v", v)
     _merge_two(v, s, v_other, s_other, v, s, mask)
 
 
@@ -90,6 +99,7 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     check_tensor("s", s, dtype=torch.float32, dim=3, device=v.device)
     if tuple(s.shape) != tuple(v.shape[:3]):
         raise ValueError(f"s must be [seq, num_states, H] = {list(v.shape[:3])}, got {list(s.shape)}")
+    require_cuda("merge_states", "v", v)
     rows, states, heads, dim = v.shape
     out = torch.empty((rows, heads, dim), dtype=v.dtype, device=v.device)
     lse = torch.empty((rows, heads), dtype=torch.float32, device=v.device)

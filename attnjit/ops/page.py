@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .. import dispatch
 from ..generator import PARAMS
-from ._common import SPEC_DTYPE, check_layout, check_metadata, check_tensor, spec_for, unpack_paged_cache
+from ._common import (SPEC_DTYPE, check_head_dim, check_layout, check_metadata, check_page_size, check_tensor,
+                      check_vectors, require_cuda, spec_for, unpack_paged_cache)
+from .planner import check_indptr
+
+_INT32_MAX = (1 << 31) - 1
 
 _launches: dict[tuple, dispatch.Launch] = {}
 
@@ -22,8 +27,8 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     dev = append_indptr.device
     check_metadata("append_indptr", append_indptr, dev)
     check_metadata("seq_lens", seq_lens, dev, append_indptr.numel() - 1)
-    if type(nnz) is not int or nnz < 0:
-        raise ValueError(f"nnz must be a non-negative int (append_indptr[-1]), got {nnz!r}")
+    if type(nnz) is not int or not 0 <= nnz <= _INT32_MAX:
+        raise ValueError(f"nnz must be a non-negative int32 (append_indptr[-1]), got {nnz!r}")
     batch = seq_lens.numel()
     counts = append_indptr[1:] - append_indptr[:-1]
     batch_indices = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32, device=dev), counts,
@@ -42,26 +47,43 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     page_size], slot pos % page_size. Shapes, dtypes and devices are always checked. Values are checked on the
     host only with ``check=True`` (it synchronizes); without it, a token whose position lies outside its
     request's pages is skipped by the kernel, which never writes out of bounds.
+
+    The kernel reads batch_indices, positions, kv_indptr and kv_indices as dense arrays (a strided view such as a
+    table's column is an error, not a silent misread); keys and values are read 16 bytes at a time; the cache's
+    pages may not overlap one another, so every write lands in the page it names. No argument is copied here (the
+    call may be captured in a CUDA graph).
     """
     check_layout(kv_layout)
-    cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, kv_layout)
+    cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, kv_layout, written=True)
+    check_head_dim("paged_kv_cache head_dim (its last dim)", cache.head_dim)
+    try:
+        check_page_size(cache.page_size)
+    except ValueError:
+        raise ValueError(f"paged_kv_cache has page_size={cache.page_size} ({kv_layout} layout); expected a power of "
+                         "two from 1 to 128") from None
     dev = cache.k.device
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         check_tensor(name, t, dtype=cache.k.dtype, dim=3, device=dev)
         if t.shape[1] != cache.num_kv_heads or t.shape[2] != cache.head_dim or t.stride(2) != 1:
             raise ValueError(f"{name} must be [nnz, H_kv={cache.num_kv_heads}, D={cache.head_dim}] with a contiguous "
                              f"last dim; got {list(t.shape)} strides {t.stride()}")
+        check_vectors(name, t, (0, 1))
     nnz = append_key.shape[0]
     if append_value.shape[0] != nnz:
         raise ValueError(f"append_value has {append_value.shape[0]} tokens, append_key {nnz}")
-    check_metadata("batch_indices", batch_indices, dev, nnz)
-    check_metadata("positions", positions, dev, nnz)
-    check_metadata("kv_indptr", kv_indptr, dev)
-    check_metadata("kv_indices", kv_indices, dev)
+    check_metadata("batch_indices", batch_indices, dev, nnz, dense=True)
+    check_metadata("positions", positions, dev, nnz, dense=True)
+    check_metadata("kv_indptr", kv_indptr, dev, dense=True)
+    check_metadata("kv_indices", kv_indices, dev, dense=True)
+    if kv_indptr.numel() < 1:
+        raise ValueError("kv_indptr must have batch_size + 1 >= 1 elements, got an empty tensor")
     batch = kv_indptr.numel() - 1
     check_metadata("kv_last_page_len", kv_last_page_len, dev, batch)
+    if type(check) is not bool:
+        raise TypeError(f"check must be True or False, got {check!r}")
     if check and nnz:
         _check_values(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, cache)
+    require_cuda("append_paged_kv_cache", "paged_kv_cache", cache.k)
     if nnz == 0:
         return
     spec = spec_for(op="append_kv", head_dim=cache.head_dim, page_size=cache.page_size,
@@ -83,19 +105,32 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
 
 
 def _check_values(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len, cache) -> None:
-    b = batch_indices.tolist()
-    pos = positions.tolist()
-    indptr = kv_indptr.tolist()
-    last = kv_last_page_len.tolist()
-    batch = len(indptr) - 1
-    for i, (bi, p) in enumerate(zip(b, pos)):
-        if not 0 <= bi < batch:
-            raise ValueError(f"batch_indices[{i}]={bi} is outside 0..{batch - 1}")
-        pages = indptr[bi + 1] - indptr[bi]
-        kv_len = cache.page_size * (pages - 1) + last[bi] if pages else 0
-        if not 0 <= p < kv_len:
-            raise ValueError(f"positions[{i}]={p} is outside request {bi}'s KV length {kv_len} (pages {pages}, "
-                             f"last_page_len {last[bi]})")
-    used = kv_indices[:indptr[-1]]
+    """check=True: the page table is well formed and every token's position lies in its request's pages (one
+    synchronizing read of the metadata)."""
+    indptr = kv_indptr.cpu().numpy().astype(np.int64)
+    check_indptr("kv_indptr", indptr)
+    if indptr[-1] > kv_indices.numel():
+        raise ValueError(f"kv_indices has {kv_indices.numel()} entries but kv_indptr[-1]={int(indptr[-1])}")
+    last = kv_last_page_len.cpu().numpy().astype(np.int64)
+    pages = np.diff(indptr)
+    bad = np.flatnonzero((pages > 0) & ((last < 1) | (last > cache.page_size)))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"kv_last_page_len[{i}]={int(last[i])} is outside 1..page_size={cache.page_size}")
+    kv_len = np.where(pages > 0, cache.page_size * (pages - 1) + last, 0)
+    b = batch_indices.cpu().numpy().astype(np.int64)
+    pos = positions.cpu().numpy().astype(np.int64)
+    batch = len(pages)
+    bad = np.flatnonzero((b < 0) | (b >= batch))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"batch_indices[{i}]={int(b[i])} is outside 0..{batch - 1}")
+    bad = np.flatnonzero((pos < 0) | (pos >= kv_len[b]))
+    if bad.size:
+        i = int(bad[0])
+        bi = int(b[i])
+        raise ValueError(f"positions[{i}]={int(pos[i])} is outside request {bi}'s KV length {int(kv_len[bi])} "
+                         f"(pages {int(pages[bi])}, last_page_len {int(last[bi])})")
+    used = kv_indices[:int(indptr[-1])]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.num_pages):
         raise ValueError(f"kv_indices holds page ids outside 0..{cache.num_pages - 1}")

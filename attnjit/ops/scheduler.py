@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 
 MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
+MAX_WORK_ITEMS = 1 << 20  # work records per plan: counted before the list is built
 
 
 @dataclass
@@ -106,6 +107,12 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
                              slot_rows=qo_lens, max_slots=max_slots)
     else:
         chunk = None
+    count = sum(t * (_ceil(k, chunk) if chunk is not None and k > chunk else 1) for t, k in zip(tiles, kv_lens) if t)
+    if count > MAX_WORK_ITEMS:
+        raise ValueError(f"this plan would need {count} work items (the query rows of qo_indptr in q tiles of "
+                         f"{cta_q // group} tokens, times KV chunks of {chunk} tokens with fixed_split_size="
+                         f"{fixed_chunk}); one plan takes at most {MAX_WORK_ITEMS}: plan fewer rows or a larger "
+                         "fixed_split_size")
     plan = WorkPlan(tile=tile, slots_target=slots)
     if chunk is None and all(t == 1 for t in tiles):
         # fast path (every decode batch, most small prefills): one item per request, the whole history; with one q

@@ -211,10 +211,36 @@ VARIANTS = [
 
 VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
 
+# What tests/gpu/test_views.py compiles (views of every argument of every op; issue 10).
+_VIEW_BASE = dict(head_dim=128, page_size=16, dtype="bf16", group_size=4)
+VIEW_SPECS = [
+    AttentionSpec(op="prefill", mask="causal", **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="causal", layout="HND", **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="causal", variant=HEAD_SCALE, **_VIEW_BASE),
+    AttentionSpec(op="prefill", mask="none", variant=builtin.CUSTOM_MASK, **_VIEW_BASE),
+    AttentionSpec(op="decode", **_VIEW_BASE),
+    AttentionSpec(op="decode", layout="HND", **_VIEW_BASE),
+    AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="causal"),
+    AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
+    AttentionSpec(op="merge_state", head_dim=128, dtype="bf16"),
+    AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype="bf16", layout="NHD"),
+    AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype="fp16", layout="HND"),
+]
+
+
+def _dispatched(spec: AttentionSpec) -> list[AttentionSpec]:
+    """The spec on every family plan() may run it on (the views tests use the default backend)."""
+    from attnjit import families
+
+    if spec.family is None:
+        return [spec]
+    return [spec if f == spec.family else spec.replace(family=f) for f in families.dispatchable(spec)]
+
 
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX]:
+    views = [d for v in VIEW_SPECS for d in _dispatched(v)]
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views:
         if s not in out:
             out.append(s)
     return out

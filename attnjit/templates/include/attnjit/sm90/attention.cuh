@@ -3,7 +3,8 @@
 //
 // The work item, its masks and output rows (attnjit/work.cuh), the Q/K/V copies (attnjit/kv_load.cuh) and the
 // split-KV merge (attnjit/split.cuh) are the shared ones; this header holds the sm90 roles:
-//   * producer warpgroup (128 threads, few registers): per work item, Q by cp.async into its tile, then the item's
+//   * producer warpgroup (128 threads, few registers): per work item, Q by cp.async into one of Q_STAGES tiles (the
+//     next item's Q loads while the consumers finish this one), then the item's
 //     K and V tiles into two rings of NUM_STAGES stages (order K0, K1, V0, K2, V1, ...: the order the consumers use
 //     them), page ids one tile ahead in registers. Each copy batch completes on an mbarrier
 //     (cp.async.mbarrier.arrive); the consumers release a stage on its "empty" mbarrier.
@@ -28,16 +29,17 @@ namespace sm90 {
 template <typename Tr>
 struct Smem {
   uint8_t* base;  // 1024-byte aligned
-  __device__ __forceinline__ uint8_t* q() const { return base; }
+  static constexpr int KV_BAR = 2 * Tr::Q_STAGES;  // the first K/V barrier
+  __device__ __forceinline__ uint8_t* q(int s) const { return base + s * Tr::Q_BYTES; }
   __device__ __forceinline__ uint8_t* k(int s) const { return base + Tr::K_OFF + s * Tr::KV_BYTES; }
   __device__ __forceinline__ uint8_t* v(int s) const { return base + Tr::V_OFF + s * Tr::KV_BYTES; }
   __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + Tr::BAR_OFF) + i; }
-  __device__ __forceinline__ uint64_t* q_full() const { return bar(0); }
-  __device__ __forceinline__ uint64_t* q_empty() const { return bar(1); }
-  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(2 + s); }
-  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(2 + Tr::NUM_STAGES + s); }
-  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(2 + 2 * Tr::NUM_STAGES + s); }
-  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(2 + 3 * Tr::NUM_STAGES + s); }
+  __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(s); }
+  __device__ __forceinline__ uint64_t* q_empty(int s) const { return bar(Tr::Q_STAGES + s); }
+  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(KV_BAR + s); }
+  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(KV_BAR + Tr::NUM_STAGES + s); }
+  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(KV_BAR + 2 * Tr::NUM_STAGES + s); }
+  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(KV_BAR + 3 * Tr::NUM_STAGES + s); }
 };
 
 // A position in a ring of S stages: the stage and the parity of its current use.
@@ -53,12 +55,13 @@ struct Ring {
   }
 };
 
-// The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid.
+// The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid. The item
+// count is read again per item (an L1 hit) rather than held: at head_dim 256 the producer has 24 registers.
 template <typename P, typename F>
 __device__ __forceinline__ void for_each_item(const P& p, F&& f) {
   const int heads = static_cast<int>(p.num_kv_heads);
-  const int total = *reinterpret_cast<const int32_t*>(p.work_count) * heads;
-  for (int i = blockIdx.x; i < total; i += gridDim.x) f(i / heads, i % heads);
+  for (int i = blockIdx.x; i < *reinterpret_cast<const int32_t*>(p.work_count) * heads; i += gridDim.x)
+    f(i / heads, i % heads);
 }
 
 // ---- producer ---------------------------------------------------------------------------------------------------
@@ -68,14 +71,14 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
   WorkItem<Tr, P> it(p);
   const unsigned tid = threadIdx.x;  // 0..127
   Ring<Tr::NUM_STAGES> kr, vr;
-  uint32_t q_phase = 0;
+  Ring<Tr::Q_STAGES> qr;
   for_each_item(p, [&](int w, int head) {
     it.kv_head = head;
     if (!it.setup(w)) return;
-    mbar_wait(sm.q_empty(), q_phase ^ 1);  // the consumers are done with the last item's Q (and its O staging)
-    q_phase ^= 1;
-    gather_q<Tr>(it, smem_u32(sm.q()), tid);
-    mbar_arrive_cp_async(sm.q_full());
+    mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);  // the consumers are done with that Q tile (and its O staging)
+    gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);
+    mbar_arrive_cp_async(sm.q_full(qr.stage));
+    qr.advance();
     RegPageIds<Tr::KV_PASSES> next, cur, prev;
     if (it.num_tiles > 0) load_page_ids<Tr>(it, 0, next, tid);
     for (int t = 0; t < it.num_tiles; ++t) {
@@ -118,6 +121,7 @@ struct Consumer {
   const int wg;                 // 0 or 1: which 64 rows of the Q tile
   const unsigned ctid;          // 0..255 over both consumers
   const int lane, row0;         // row0: this thread's first row in the Q tile (the other is row0 + 8)
+  int qstage = 0;               // the Q tile of the current item
   float o[D / 2];               // O accumulator, wgmma m64nD layout: block j holds cols 8j + 2(lane%4) + {0,1}
   float s[N / 2];               // S accumulator (then P in fp32), m64nN layout
   uint32_t pf[N / 16][4];       // P as the A operand of P V (bf16/fp16 pairs), one k16 slice per entry
@@ -133,7 +137,7 @@ struct Consumer {
 
   // S = Q K^T over the head dim: D/16 k-slices, each a wgmma from the two 128-byte-swizzled tiles.
   __device__ __forceinline__ void issue_qk(int stage) {
-    const uint32_t q_addr = smem_u32(sm.q()) + wg * Tr::WG_ROWS * 128;
+    const uint32_t q_addr = smem_u32(sm.q(qstage)) + wg * Tr::WG_ROWS * 128;
     const uint32_t k_addr = smem_u32(sm.k(stage));
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -351,7 +355,7 @@ struct Consumer {
       }
     }
     if (it.pslot < 0) {
-      uint8_t* stage = sm.q();
+      uint8_t* stage = sm.q(qstage);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
@@ -401,17 +405,18 @@ struct Consumer {
 
   __device__ __forceinline__ void run(const P& p) {
     Ring<Tr::NUM_STAGES> kr, vr;
-    uint32_t q_phase = 0;
+    Ring<Tr::Q_STAGES> qr;
     const float scale2 = static_cast<float>(p.sm_scale_log2);
     if (wg == 1) pass_turn();  // the first consumer takes the first turn
     for_each_item(p, [&](int w, int head) {
       it.kv_head = head;
       if (!it.setup(w)) return;
-      mbar_wait(sm.q_full(), q_phase);
-      q_phase ^= 1;
+      qstage = qr.stage;
+      mbar_wait(sm.q_full(qstage), qr.phase);
+      qr.advance();
       fence_proxy_async();
       if constexpr (V::HAS_QUERY_TRANSFORM) {
-        transform_q_tile<Tr>(it, sm.q(), ctid, Tr::CONSUMER_THREADS);
+        transform_q_tile<Tr>(it, sm.q(qstage), ctid, Tr::CONSUMER_THREADS);
         fence_proxy_async();
         named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
       }
@@ -422,7 +427,7 @@ struct Consumer {
       alpha[0] = alpha[1] = 1.f;
       mainloop(kr, vr, scale2);
       epilogue();
-      mbar_arrive(sm.q_empty());  // every consumer thread: its Q reads and staging reads are done
+      mbar_arrive(sm.q_empty(qstage));  // every consumer thread: its Q reads and staging reads are done
       if (it.nchunks > 1 && last_of_group(it, ctid, [] { named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS); }))
         merge_group<Tr::CONSUMER_THREADS, Tr::CTA_Q>(it, ctid);
     });
@@ -434,8 +439,11 @@ __device__ __forceinline__ void attention_body(const P& p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const Smem<Tr> sm{smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)};
   if (threadIdx.x == 0) {
-    mbar_init(sm.q_full(), 128);
-    mbar_init(sm.q_empty(), Tr::CONSUMER_THREADS);
+#pragma unroll
+    for (int s = 0; s < Tr::Q_STAGES; ++s) {
+      mbar_init(sm.q_full(s), 128);
+      mbar_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
+    }
 #pragma unroll
     for (int s = 0; s < Tr::NUM_STAGES; ++s) {
       mbar_init(sm.k_full(s), 128);

@@ -7,7 +7,7 @@
 namespace attnjit {
 
 template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
-          int CTA_KV_, int NUM_STAGES_, typename VARIANT_ = NoVariant>
+          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
   using T = T_;
   using TO = TO_;
@@ -25,21 +25,25 @@ struct Sm90Traits {
   static constexpr int CTA_Q = WG_ROWS * CONSUMERS;        // packed rows per work item
   static constexpr int CTA_KV = CTA_KV_;                   // kv tokens per tile
   static constexpr int NUM_STAGES = NUM_STAGES_;           // K and V tiles in flight (each its own ring)
+  static constexpr int Q_STAGES = Q_STAGES_;               // Q tiles: 2 lets the next item's Q load under this one
   static constexpr int NUM_THREADS = 128 * (CONSUMERS + 1);
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
-  // setmaxnreg budgets (PRODUCER_REGS * 128 + CONSUMER_REGS * 256 <= 64K): head_dim 256 needs 128 registers of O
-  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? 32 : 56, CONSUMER_REGS = HEAD_DIM_ > 128 ? 240 : 224;
+  // setmaxnreg budgets. The CTA starts with LAUNCH_REGS per thread (64K / threads, rounded down to a multiple of 8:
+  // ptxas's allocation under __launch_bounds__(threads, 1)); a consumer's setmaxnreg.inc waits until the producer's
+  // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
+  static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
+  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? 24 : 56, CONSUMER_REGS = HEAD_DIM_ > 128 ? 240 : 224;
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
-  // shared memory: Q, then NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are HEAD_DIM / 64
-  // column blocks of [rows][64] in the 128-byte swizzle (attnjit/kv_load.cuh), 1024-byte aligned.
+  // shared memory: Q_STAGES Q tiles, NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are
+  // HEAD_DIM / 64 column blocks of [rows][64] in the 128-byte swizzle (attnjit/kv_load.cuh), 1024-byte aligned.
   static constexpr int Q_BYTES = CTA_Q * HEAD_DIM * 2;
   static constexpr int KV_BYTES = CTA_KV * HEAD_DIM * 2;
-  static constexpr int K_OFF = Q_BYTES;
+  static constexpr int K_OFF = Q_STAGES * Q_BYTES;
   static constexpr int V_OFF = K_OFF + NUM_STAGES * KV_BYTES;
   static constexpr int BAR_OFF = V_OFF + NUM_STAGES * KV_BYTES;
-  // barriers: q_full, q_empty, then k_full, k_empty, v_full, v_empty per stage
-  static constexpr int NUM_BARRIERS = 2 + 4 * NUM_STAGES;
+  // barriers: q_full, q_empty per Q stage, then k_full, k_empty, v_full, v_empty per KV stage
+  static constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * NUM_STAGES;
   static constexpr int SMEM_BYTES = BAR_OFF + NUM_BARRIERS * 8 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
@@ -53,9 +57,11 @@ struct Sm90Traits {
   static_assert(HEAD_DIM <= 256, "the PV wgmma's N is the head dim, at most 256");
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
+  static_assert(Q_STAGES >= 1, "at least one Q tile");
   static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
-  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= 65536, "register budget over 64K");
+  static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,
+                "setmaxnreg budgets exceed the CTA's registers at launch: the consumers would wait forever");
 };
 
 }  // namespace attnjit

@@ -152,11 +152,17 @@ def _session_members(sid: int) -> list[int]:
     return out
 
 
-def _quiet_signals() -> dict[int, object]:
-    """While stopping, a second Ctrl-C must not cut the cleanup short: record-and-ignore SIGINT/SIGTERM."""
+def quiet_signals() -> dict[int, object]:
+    """While stopping, a second Ctrl-C must not cut the cleanup short: ignore SIGINT/SIGTERM until
+    ``restore_signals``."""
     if threading.current_thread() is not threading.main_thread():
         return {}
     return {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def restore_signals(saved: dict[int, object]) -> None:
+    for s, handler in saved.items():
+        signal.signal(s, handler)  # type: ignore[arg-type]
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -197,7 +203,6 @@ def run_ninja(bdir: Path, targets: Sequence[Target], parallel: int, *,
     def finish(key: str) -> None:
         if key in reported:
             return
-        reported.add(key)
         d = bdir / key
         cubin = d / CUBIN
         try:
@@ -217,6 +222,7 @@ def run_ninja(bdir: Path, targets: Sequence[Target], parallel: int, *,
             except OSError:
                 pass
         on_finished(Outcome(key, ok, seconds, log, name))
+        reported.add(key)  # only now: a signal inside on_finished leaves it to the cleanup below to finish again
 
     env = dict(os.environ, NINJA_STATUS="[%f/%t] ")
     try:
@@ -255,15 +261,14 @@ def run_ninja(bdir: Path, targets: Sequence[Target], parallel: int, *,
                 ninja_lines.append(line)
         proc.wait()
     except BaseException:
-        saved = _quiet_signals()
+        saved = quiet_signals()
         try:
             stop(proc)
-            for key in by_key:  # keep what finished before the signal
+            for key in by_key:  # keep what finished before the signal (a publish it cut short is done again)
                 if (bdir / key / CUBIN).is_file():
                     finish(key)
         finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)  # type: ignore[arg-type]
+            restore_signals(saved)
         raise
     reader.join(timeout=5)
     for key in by_key:  # targets ninja never reported (it failed to load the file, or stopped early)

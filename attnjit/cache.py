@@ -52,7 +52,8 @@ from typing import Any, Callable, Iterable, Sequence
 from filelock import FileLock, Timeout
 
 from . import knobs
-from .build import STARTED, BuildEvent, Outcome, Target, first_error_line, run_ninja
+from .build import (STARTED, BuildEvent, Outcome, Target, first_error_line, quiet_signals, restore_signals,
+                    run_ninja)
 from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .toolchain import Nvcc, nvcc
 from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
@@ -389,12 +390,16 @@ class Cache:
                 self._clean_stale_builds()
                 self._build_pending(pending, by_key, jobs_n, say)
         except KeyboardInterrupt:
-            results = []
-            for key in order:
-                r = by_key.get(key)
-                results.append(r if r is not None and r.status != "pending" else
-                               BuildResult(r.job if r else jobs[order.index(key)], "interrupted"))
-            raise BuildInterrupted(results) from None
+            saved = quiet_signals()
+            try:
+                for job, key in zip(jobs, order):
+                    r = by_key.get(key)
+                    if r is None or r.status == "pending":  # published just before the signal cut its bookkeeping?
+                        entry = self.lookup(key)
+                        by_key[key] = BuildResult(job, "built", entry) if entry else BuildResult(job, "interrupted")
+            finally:
+                restore_signals(saved)
+            raise BuildInterrupted([by_key[k] for k in order]) from None
         return [by_key[k] for k in order]
 
     def _build_pending(self, pending: list[Job], by_key: dict[str, BuildResult], parallel: int,

@@ -218,3 +218,34 @@ def test_info_lists_every_setting_with_its_value_and_source(tmp_path):
     assert [r.split()[0] for r in rows] == [k.name for k in knobs.ALL]
     assert any(r.split()[:3] == ["ATTNJIT_LOCK_TIMEOUT", "12.0", "env"] for r in rows)
     assert any(r.split()[:2] == ["ATTNJIT_JOBS", "INVALID"] for r in rows)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_signal_during_a_publish_loses_neither_the_kernel_nor_its_count(tmp_path, monkeypatch, when):
+    """SIGINT can land anywhere in the publish of a finished kernel: before its rename (the cleanup publishes it
+    again) or after it (the result is recovered from the cache). Either way the kernel counts as built."""
+    from attnjit.cache import BuildInterrupted
+
+    copy_nvcc = write_script(tmp_path / "nvcc", 'while [ "$1" != "-o" ]; do shift; done; cp "$3" "$2"\n')
+    tool = Nvcc(copy_nvcc, FAKE.version)
+    jobs = [Job(source=f"module {i}\n", flags=("-cubin",), arch="sm_90a", label=f"m{i}", meta={}, nvcc=tool)
+            for i in range(2)]
+    cache = Cache(tmp_path / "cache", layers=())
+    real = Cache._publish
+    hit = []
+
+    def interrupted_publish(self, job, d, seconds):
+        if not hit:
+            hit.append(job.key)
+            if when == "before":
+                raise KeyboardInterrupt
+            real(self, job, d, seconds)
+            raise KeyboardInterrupt
+        return real(self, job, d, seconds)
+
+    monkeypatch.setattr(Cache, "_publish", interrupted_publish)
+    with pytest.raises(BuildInterrupted) as info:
+        cache.build(jobs, parallel=1)
+    by_key = {r.job.key: r for r in info.value.results}
+    assert by_key[hit[0]].status == "built" and Cache(tmp_path / "cache", layers=()).lookup(hit[0]) is not None
+    assert list((tmp_path / "cache" / ".tmp").glob("build-*/")) == []

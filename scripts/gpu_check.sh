@@ -64,10 +64,10 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
     python3 -m pip install -q --no-index --no-deps --target /tmp/fi/site /tmp/fi/apache_tvm_ffi*.whl >/dev/null 2>&1 &&
     export PYTHONPATH=/tmp/fi/site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=/tmp/fiws FLASHINFER_CUDA_ARCH_LIST=9.0a \
            MAX_JOBS=16 && fi_flag=""
-  for f in .bench/fi-jit-*.tar.xz; do [ -f "$f" ] && tar xJf "$f" -C /tmp/fiws; done   # oldest name first: later ones win
-  # FlashInfer writes its generated sources anew when a module is first used; carried modules dated in the future
-  # stay newer than those sources, so ninja keeps them instead of recompiling each one (minutes of device time)
-  find /tmp/fiws/.cache -name '*.so' -exec touch -d '+2 hours' {} + 2>/dev/null
+  for f in .bench/fi-jit*.tar.xz; do [ -f "$f" ] && tar xJf "$f" -C /tmp/fiws; done
+  # FlashInfer loads <package>/data/aot/<uri>/<uri>.so as it is (its JIT directory always goes through ninja, which
+  # rebuilds on this machine): the modules scripts/flashinfer_prebuild.py built on the CPU machine go there
+  [ -d /tmp/fiws/.cache/aot ] && ln -sfn /tmp/fiws/.cache/aot /tmp/fi/site/flashinfer/data/aot
   fi_files_before=$(find /tmp/fiws -type f | wc -l)
   touch /tmp/fiws/.carried   # what FlashInfer compiles from here on is newer: only that travels back
 }

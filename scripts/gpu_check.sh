@@ -159,8 +159,8 @@ fi
 if has model; then
   setup_flashinfer
   t=$(date +%s)
-  python3 benchmarks/model.py $([ -n "$fi_flag" ] && echo --backends attnjit) --json "$OUT/model.json" \
-    >"$OUT/model.txt" 2>"$OUT/model.err"
+  timeout -k 10 "${MODEL_BUDGET:-1800}" python3 benchmarks/model.py $([ -n "$fi_flag" ] && echo --backends attnjit) \
+    --json "$OUT/model.json" >"$OUT/model.txt" 2>"$OUT/model.err"
   summary+=("model bench (rc=$?, $(( $(date +%s) - t )) s)")
   tail -5 "$OUT/model.err"
 fi

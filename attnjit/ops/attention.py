@@ -428,6 +428,22 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              **unused: Any) -> None:
+        """Plan a batch of prefill/append/mixed requests over a paged KV cache.
+
+        qo_indptr: [B+1] int32, request i's query rows are qo_indptr[i]:qo_indptr[i+1] of q. paged_kv_indptr: [B+1]
+        int32 offsets into paged_kv_indices. paged_kv_indices: [*] int32 page ids in logical order.
+        paged_kv_last_page_len: [B] int32 in 1..page_size (0 for a request with no pages). KV length of request i = page_size * (pages - 1) + last,
+        including the new tokens. causal is bottom-right aligned (query row t of Q sees key j iff j <= K - Q + t).
+        logits_soft_cap, window_left, pos_encoding_mode="ALIBI", custom_mask / packed_custom_mask are built-in
+        variants (FlashInfer's semantics); sm_scale defaults to 1/sqrt(head_dim).
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
                     **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
@@ -476,6 +492,19 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
              block_tables=None, seq_lens=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              o_data_type=None, **unused: Any) -> None:
+        """Plan a decode batch (one query row per request) over a paged KV cache.
+
+        indptr: [B+1] int32 offsets into indices. indices: [*] int32 page ids in logical order. last_page_len: [B]
+        int32 in 1..page_size. The GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long
+        histories are split across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
                     **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
@@ -530,6 +559,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              **unused: Any) -> None:
+        """Plan a batch of prefill requests whose K/V are contiguous rows of ragged [nnz_kv, H_kv, D] tensors.
+
+        qo_indptr: [B+1] int32 (query rows per request), kv_indptr: [B+1] int32 (key rows per request, including
+        the new tokens). causal, variants and sm_scale as for the paged prefill wrapper.
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
                     **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)

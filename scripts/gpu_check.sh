@@ -35,8 +35,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|profile) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
+  case $s in smoke|tests|model|bench|sweep|order|profile|tune) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, profile, tune; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -132,6 +132,16 @@ if has bench; then
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")
   tail -5 "$OUT/bench.err"
+fi
+
+if has tune; then   # attnjit tune on the benchmark's prefill spec: a tuning record, and the table it was chosen from
+  t=$(date +%s)
+  timeout -k 10 "${TUNE_BUDGET:-300}" python3 -m attnjit.cli tune --cache-dir "$OUT/tune-cache" --shape "${TUNE_SHAPE:-8x2048}" \
+    --spec op=prefill,head_dim=128,page_size=16,dtype=bf16,mask=causal,group_size=4 \
+    --spec op=prefill,head_dim=128,page_size=16,dtype=bf16,mask=none,group_size=4 >"$OUT/tune.txt" 2>&1
+  summary+=("tune (rc=$?, $(( $(date +%s) - t )) s): $(grep -c 'recorded in' "$OUT/tune.txt") recorded")
+  cat "$OUT/tune.txt"
+  rm -rf "$OUT/tune-cache"
 fi
 
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side

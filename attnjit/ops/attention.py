@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .. import dispatch, knobs
+from .. import dispatch, knobs, tuning
 from ..errors import NoGPUError
 from .. import families
 from ..generator import PARAMS, attention_layout, variant_param_name
@@ -84,10 +84,15 @@ class _AttentionWrapper:
     _op = "prefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto"):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto",
+                 tile: str | None = None):
         check_tensor("float_workspace_buffer", float_workspace_buffer)
         self._family = families.for_backend(backend)  # None: each plan's default (families.for_batch)
         self._backend = backend
+        if tile is not None and not isinstance(tile, str):
+            raise TypeError(f"tile must be the name of a tile configuration (str) or None, got {type(tile).__name__}")
+        self._tile = tile       # a forced tile configuration (attnjit tune); None: the tuning record's, or the default
+        self._tuned: dict = {}  # spec -> the spec plan() runs (its tuned tile), per wrapper
         if isinstance(variant, str):
             variant = resolve_variant(variant)
         if variant is not None and not isinstance(variant, Variant):
@@ -166,6 +171,7 @@ class _AttentionWrapper:
                                     backend=self._backend)
         if family != spec.family:
             spec = with_family(spec, family)
+        spec = self._with_tile(spec)
         if self._use_cuda_graph:
             self._check_graph_plan(spec, batch, page_ids)
 
@@ -208,6 +214,24 @@ class _AttentionWrapper:
         if self._use_cuda_graph and self._graph_spec is None:
             self._graph_spec, self._graph_tile = spec, tile
         self._plan = plan
+
+    def _with_tile(self, spec: AttentionSpec) -> AttentionSpec:
+        """The spec with the wrapper's forced tile, else the tuning record's for this GPU (attnjit tune), else as is."""
+        out = self._tuned.get(spec)
+        if out is None:
+            out = spec
+            if self._tile is not None:
+                try:
+                    out = spec.replace(tile=self._tile)
+                except ValueError as exc:
+                    raise ValueError(f"tile={self._tile!r}: {exc}") from None
+            elif families.tile_names(spec):
+                gpu = tuning.gpu_id(spec.arch, dispatch.num_sms(self._device if self._device.type == "cuda" else None))
+                tuned = tuning.best_tile(spec, gpu)
+                if tuned is not None:
+                    out = spec.replace(tile=tuned)
+            self._tuned[spec] = out
+        return out
 
     def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch, page_ids: torch.Tensor | None) -> None:
         """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
@@ -413,9 +437,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  paged_kv_indices_buf: torch.Tensor | None = None,
                  paged_kv_last_page_len_buf: torch.Tensor | None = None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None,
-                 variant: Variant | str | None = None):
+                 variant: Variant | str | None = None, tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
@@ -479,9 +503,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None,
+                 tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
@@ -544,11 +569,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf: torch.Tensor | None = None, kv_indptr_buf: torch.Tensor | None = None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto", jit_args=None, jit_kwargs=None,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None,
+                 tile: str | None = None):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 

@@ -137,6 +137,11 @@ DECODE = [
 ALL = PAGED + RAGGED + DECODE
 # every case on each of its families: the matrix the GPU tests run
 MATRIX = [(c, f) for c in ALL for f in c.families]
+# the sm90 family's other tile configurations (attnjit tune picks among them) on a few cases
+TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
+              replace(_P, name="paged-prefill-only", qo_lens=PREFILL_QO, kv_lens=PREFILL_KV),
+              replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False)]
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3")]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [
@@ -240,7 +245,8 @@ def _dispatched(spec: AttentionSpec) -> list[AttentionSpec]:
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS for d in _dispatched(v)]
-    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views:
+    tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX]
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles:
         if s not in out:
             out.append(s)
     return out

@@ -283,11 +283,10 @@ class _AttentionWrapper:
             check_tensor("out", out)
             raise ValueError(f"run(): out must be {plan.o_dtype} {list(shape)} on {dev} with a contiguous "
                              f"last dim; got {out.dtype} {list(out.shape)} on {out.device}")
+        if not vector_ready(out):
+            check_vectors("out", out, (0, 1))
         if not out.is_contiguous():
-            check_vectors("out", out, (0, 1))
             check_no_overlap("out", out)
-        elif out.data_ptr() % 16:
-            check_vectors("out", out, (0, 1))
         if lse is None and return_lse:
             lse = torch.empty(shape[:2], dtype=torch.float32, device=dev)
         elif lse is not None:
@@ -470,8 +469,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         head_dim = P.check_head_dims("head_dim", head_dim)
         page_size = P.plan_page_size(page_size)
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name for the KV (and q) type
-            kv_data_type = data_type
-        dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
+            dtypes = P.plan_dtypes(q_data_type, data_type, o_data_type, kv_name="data_type")
+        else:
+            dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,

@@ -101,12 +101,13 @@ def plan_page_size(value: Any) -> int:
     return check_page_size(as_int("page_size", value))
 
 
-def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any, *,
+                kv_name: str = "kv_data_type") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     q = as_dtype(q_data_type, "q_data_type")
-    kv = as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q
+    kv = as_dtype(kv_data_type, kv_name) if kv_data_type is not None else q
     o = as_dtype(o_data_type, "o_data_type") if o_data_type is not None else q
     if kv != q:
-        raise ValueError(f"kv_data_type={kv} must equal q_data_type={q} (mixed q/kv types are not supported yet)")
+        raise ValueError(f"{kv_name}={kv} must equal q_data_type={q} (mixed q/kv types are not supported yet)")
     return q, kv, o
 
 

@@ -116,19 +116,37 @@ def _torch():
     return torch
 
 
+_device_facts: dict[tuple[str, int | None], object] = {}  # (fact, device index) -> arch / SM count: plan() asks
+                                                          # every step and they never change
+
+
+def _device_index(torch, device) -> int:
+    index = torch.device(device).index if not isinstance(device, int) else device
+    return torch.cuda.current_device() if index is None else index
+
+
 def device_arch(device) -> str:
     """The nvcc arch for a CUDA device: sm_90a on Hopper (arch-specific features), else sm_XY."""
     override = knobs.ARCH.get()
     if override:
         return override
-    major, minor = _torch().cuda.get_device_capability(device)
-    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    torch = _torch()
+    key = ("arch", _device_index(torch, device))
+    arch = _device_facts.get(key)
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability(key[1])
+        arch = _device_facts[key] = "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+    return arch
 
 
 def num_sms(device) -> int:
     torch = _torch()
     if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        key = ("sms", _device_index(torch, device))
+        sms = _device_facts.get(key)
+        if sms is None:
+            sms = _device_facts[key] = torch.cuda.get_device_properties(key[1]).multi_processor_count
+        return sms
     return knobs.NUM_SMS.get() or 132
 
 

@@ -202,7 +202,8 @@ def draw_plan(rng: random.Random, kind: str) -> dict:
     ps = rng.choice([1, 2, 4, 8, 16, 32, 64, 128]) if kind != "ragged" else None
     q_dt = rng.choice([torch.float16, torch.bfloat16, "float16", "bfloat16", "bf16", "half", "torch.bfloat16"])
     causal = rng.random() < 0.5 if kind != "decode" else False
-    batch = rng.randint(1 if kind == "decode" else 0, 8)
+    batch = rng.randint(1 if kind == "decode" else 0, 8) if rng.random() < 0.8 else rng.randint(17, 60)  # both
+    # of plan()'s metadata paths: lists up to planner.SMALL requests, numpy arrays above
     lo = 1 if kind == "decode" else 0
     kv_lens = [rng.randint(lo, 700) if rng.random() < 0.8 else rng.choice([1, 2, 15, 16, 17, 2000, 5000])
                for _ in range(batch)]

@@ -12,7 +12,8 @@ import torch
 
 from ..variants import Variant
 from ._common import check_layout, check_tensor, unsupported
-from .attention import BatchPrefillWithRaggedKVCacheWrapper, vector_ready
+from ._running import vector_ready
+from .attention import BatchPrefillWithRaggedKVCacheWrapper
 
 _single_workspaces: dict[torch.device, torch.Tensor] = {}
 

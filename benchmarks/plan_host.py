@@ -130,6 +130,38 @@ def breakdown(fn, calls: int = 300) -> dict:
     return out
 
 
+def dispatch_overhead(cuda: bool, dev: str) -> dict:
+    """Host us of a call through torch.ops.attnjit against the direct call (issue 13: within 2 us). On a GPU: a
+    decode run() (batch 16) and merge_state, each both ways. Without one (a kernel cannot run): the dispatcher's own
+    cost, an op defined as attnjit's are (torch.library.Library define + impl, tensors in and out) around the same
+    Python body, against calling the body."""
+    if not cuda:
+        lib = torch.library.Library("attnjit_bench", "DEF")
+        lib.define("two(int h, Tensor q, Tensor k, Tensor? v, bool b) -> (Tensor, Tensor)")
+        body = lambda h, q, k, v, b: (q, k)  # noqa: E731
+        lib.impl("two", body, "CPU")
+        q = torch.zeros(4)
+        calls = {"python body": lambda: body(1, q, q, None, True),
+                 "same body through torch.ops": lambda: torch.ops.attnjit_bench.two(1, q, q, None, True)}
+        return {"op": "dispatch", **{n: timed(f, rounds=9, calls=2000)["min_us"] for n, f in calls.items()}}
+    from attnjit.ops import merge
+
+    gen = torch.Generator().manual_seed(0)
+    va, vb = (torch.randn(16, H_Q, D, generator=gen).to(DT).to(dev) for _ in range(2))
+    sa, sb = (torch.randn(16, H_Q, generator=gen).to(dev) for _ in range(2))
+    meta = metadata(16, "decode", "cpu")
+    w, plan = planner("attnjit", "decode", torch.empty(64 << 20, dtype=torch.uint8, device=dev), meta)
+    plan()
+    q = torch.randn(16, H_Q, D, generator=gen).to(DT).to(dev)
+    cache = torch.randn(16 * KV // PS, 2, PS, H_KV, D, dtype=DT, device=dev)
+    out = torch.empty_like(q)
+    calls = {"merge_state direct": lambda: merge.merge_state_eager(va, sa, vb, sb),
+             "merge_state torch.ops": lambda: torch.ops.attnjit.merge_state(va, sa, vb, sb),
+             "decode run direct": lambda: w.run(q, cache, out=out),
+             "decode run torch.ops": lambda: torch.ops.attnjit.batch_run_out(w._handle, q, cache, None, out, None)}
+    return {"op": "dispatch", **{n: timed(f, cuda=True, rounds=9, calls=200)["min_us"] for n, f in calls.items()}}
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -173,9 +205,12 @@ def main() -> dict:
             row["fast_plan"] = timed(lambda: w.fast_plan(meta["indptr"], meta["indices"], meta["last"]), cuda=cuda)
         fast.append(row)
         print(json.dumps(row), flush=True)
+    dispatch = dispatch_overhead(cuda, dev)
+    print(json.dumps(dispatch), flush=True)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
-                      "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast}
+                      "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
+           "dispatch": dispatch}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -24,7 +24,7 @@ from ..errors import NoGPUError
 from ..generator import Tile, attention_layout, tiles_for, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
-from . import planner as P
+from . import _handles, planner as P
 from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor,
                       check_vectors, spec_for, unpack_paged_cache, unsupported)
 from ._running import Plan, check_q_out, launch, variant_args, vector_ready
@@ -85,6 +85,7 @@ class _AttentionWrapper:
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
         self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
+        self._handle = _handles.register(self)            # how torch.ops.attnjit.batch_run names this wrapper
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -232,6 +233,25 @@ class _AttentionWrapper:
             variant_args(plan, self._device, variant_params or {}, want_lse)
         return plan
 
+    def _run_compiled(self, q, k, v, out, lse, return_lse: bool, variant_params: dict):
+        """run() while torch.compile traces: the torch.ops.attnjit op that runs this wrapper's plan (ops/library.py).
+        Reads nothing of the plan here, so a new plan() does not make torch.compile recompile."""
+        if variant_params:
+            raise NotImplementedError(f"run-time variant parameters ({sorted(variant_params)}) are not supported "
+                                      "inside torch.compile; bind the values at plan() (a built-in option) or run "
+                                      "eagerly")
+        if out is None:
+            out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None)
+            if lse is not None:
+                lse.copy_(lse_)
+            else:
+                lse = lse_
+        else:
+            if lse is None and return_lse:
+                lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+            torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
     def _require_gpu(self, plan: Plan) -> None:
         """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""
         if not plan.on_gpu:
@@ -248,6 +268,11 @@ class _PagedMixin:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
         if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None:
             unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        if torch.compiler.is_compiling():
+            if window_left is not None:
+                raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
+            k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
         plan = self._current_plan(variant_params, return_lse, lse)
         if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
@@ -260,6 +285,8 @@ class _PagedMixin:
 
     def forward(self, *args: Any, **kwargs: Any):
         return self.run(*args, **kwargs)
+
+    _op_kind = "paged"
 
     def _check_cache(self, plan: Plan, paged_kv_cache) -> PagedCache:
         memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
@@ -493,6 +520,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         wrapper's variant takes its parameters here by name."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
+        if torch.compiler.is_compiling():
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
         plan = self._current_plan(variant_params, return_lse, lse)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtype=plan.kv_dtype, dim=3, device=self._device)
@@ -510,3 +539,4 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         return (out, lse) if return_lse else out
 
     forward = run
+    _op_kind = "ragged"

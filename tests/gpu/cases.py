@@ -210,9 +210,23 @@ VIEW_SPECS = [
 ]
 
 
+# What tests/gpu/test_transformers.py compiles: the models' attention (head_dim 64, 4 q heads over 2 KV heads, bf16)
+# as ragged batches: causal alone, with the sliding window and the soft-cap (Gemma-2), and explicit masks of padded
+# batches as custom masks.
+_HF = dict(op="prefill", head_dim=64, dtype="bf16", kv="ragged", group_size=2)
+TRANSFORMERS_SPECS = [
+    AttentionSpec(mask="causal", **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SLIDING_WINDOW, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SOFTCAP, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.compose(builtin.SOFTCAP, builtin.SLIDING_WINDOW), **_HF),
+    AttentionSpec(mask="none", variant=builtin.CUSTOM_MASK, **_HF),
+    AttentionSpec(mask="none", variant=builtin.compose(builtin.SOFTCAP, builtin.CUSTOM_MASK), **_HF),
+]
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    for s in [c.spec() for c in ALL] + EXTRA_SPECS + [c.spec() for c in VARIANTS] + VIEW_SPECS:
+    for s in [c.spec() for c in ALL] + EXTRA_SPECS + [c.spec() for c in VARIANTS] + VIEW_SPECS + TRANSFORMERS_SPECS:
         if s not in out:
             out.append(s)
     return out

@@ -12,7 +12,8 @@
 #
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
 #   STAGES: all (= tests,model,bench) or a comma-separated list of tests, model, bench, sweep (tile variants),
-#   order (prefill work orders), profile (Nsight Compute, short prefill rows); default all
+#   order (prefill work orders), profile (Nsight Compute, short prefill rows), plan (plan() host time against
+#   FlashInfer; bench runs it too); default all
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -32,8 +33,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in tests|model|bench|sweep|order|profile) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
+  case $s in tests|model|bench|sweep|order|profile|plan) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of tests, model, bench, sweep, order, profile, plan; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -110,6 +111,12 @@ if has bench; then
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")
   tail -5 "$OUT/bench.err"
+fi
+
+if has bench || has plan; then   # plan() host time, attnjit and FlashInfer, host and device metadata
+  setup_flashinfer
+  python3 benchmarks/plan_host.py --json "$OUT/plan_host.json" >"$OUT/plan_host.txt" 2>"$OUT/plan_host.err"
+  summary+=("plan host time (rc=$?): $(grep -c '"op"' "$OUT/plan_host.txt") rows in plan_host.json")
 fi
 
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side

@@ -67,7 +67,7 @@ def test_opcheck_every_op():
         (ops.batch_run_out.default, (w._handle, q, b.cache, None, torch.empty_like(q), torch.empty(q.shape[:2],
                                                                                                   device=DEV))),
         (ops.single_prefill.default, (q1, k1, v1, True, "NHD", None, -1, None, "NONE", True)),
-        (ops.single_decode.default, (q1[0], k1, v1, "NHD", None, -1, 30.0, "NONE", True)),
+        (ops.single_decode.default, (q1[0], k1, v1, "NHD", None, -1, None, "NONE", True)),
         (ops.merge_state.default, (va, sa, vb, sb)),
         (ops.merge_state_in_place.default, (va.clone(), sa.clone(), vb, sb, None)),
         (ops.merge_states.default, (v4, s4)),

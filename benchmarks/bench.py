@@ -281,9 +281,12 @@ def sweep_grid(rows) -> list[dict]:
 
 def _lpt_order(work):
     """The work list in pure longest-first order over the whole batch (the order before request grouping)."""
-    from attnjit.ops.scheduler import item_cost
+    import numpy as np
 
-    work.records.sort(key=lambda rec: -item_cost(rec, cta_q=work.tile.cta_q, group=H_Q // H_KV, causal=True))
+    from attnjit.ops.scheduler import item_costs
+
+    cost = item_costs(work.records, cta_q=work.tile.cta_q, group=H_Q // H_KV, causal=True)
+    work.records = work.records[np.argsort(-cost, kind="stable")]
     return work
 
 

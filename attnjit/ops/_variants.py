@@ -35,7 +35,7 @@ class Binding:
 def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Bit-pack each request's flattened [qo_len * kv_len] bool mask (little-endian bits within a byte, each
     request padded to whole bytes, as FlashInfer's segment_packbits). Returns (bytes, byte offsets [B+1])."""
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=custom_mask.device)
+    weights = _on_device([1, 2, 4, 8, 16, 32, 64, 128], torch.int32, custom_mask.device)
     chunks, indptr, pos = [], [0], 0
     flat = custom_mask.reshape(-1).to(torch.int32)
     for n in sizes:
@@ -48,6 +48,24 @@ def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.T
         indptr.append(indptr[-1] + (n + pad) // 8)
     packed = torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8, device=custom_mask.device)
     return packed, indptr
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor plan() builds, put on the device through pinned memory (an asynchronous copy: plan() does not
+    synchronize with the device for it)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+_SLOPES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    """The ALiBi slopes of num_heads heads on device (made once: the kernels only read them)."""
+    slopes = _SLOPES.get((num_heads, device))
+    if slopes is None:
+        slopes = _SLOPES[(num_heads, device)] = _on_device(V.alibi_slopes(num_heads), torch.float32, device)
+    return slopes
 
 
 def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int | None, pos_encoding_mode: str,
@@ -65,7 +83,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
         b.bound["window_left"] = window_left
     if pos_encoding_mode == "ALIBI":
         parts.append(V.ALIBI)
-        slopes = torch.tensor(V.alibi_slopes(num_qo_heads), dtype=torch.float32, device=device)
+        slopes = _alibi_slopes(num_qo_heads, device)
         b.bound["alibi_slopes"] = slopes
         b.keep.append(slopes)
     if custom_mask is not None or packed_custom_mask is not None:
@@ -95,7 +113,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
                 raise ValueError(f"packed_custom_mask is on {packed_custom_mask.device} but the data is on {device}")
             packed = packed_custom_mask.reshape(-1).contiguous()  # a strided view is copied: plan() may copy
         parts.append(V.CUSTOM_MASK)
-        mask_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
+        mask_indptr = _on_device(indptr, torch.int32, device)
         b.bound["packed_custom_mask"] = packed
         b.bound["mask_indptr"] = mask_indptr
         b.keep += [packed, mask_indptr]

@@ -242,9 +242,23 @@ def _dispatched(spec: AttentionSpec) -> list[AttentionSpec]:
     return [spec if f == spec.family else spec.replace(family=f) for f in families.dispatchable(spec)]
 
 
+# What tests/gpu/test_transformers.py compiles: the models' attention (head_dim 64, 4 q heads over 2 KV heads, bf16)
+# as ragged batches: causal alone, with the sliding window and the soft-cap (Gemma-2), and explicit masks of padded
+# batches as custom masks.
+_HF = dict(op="prefill", head_dim=64, dtype="bf16", kv="ragged", group_size=2)
+TRANSFORMERS_SPECS = [
+    AttentionSpec(mask="causal", **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SLIDING_WINDOW, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SOFTCAP, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.compose(builtin.SOFTCAP, builtin.SLIDING_WINDOW), **_HF),
+    AttentionSpec(mask="none", variant=builtin.CUSTOM_MASK, **_HF),
+    AttentionSpec(mask="none", variant=builtin.compose(builtin.SOFTCAP, builtin.CUSTOM_MASK), **_HF),
+]
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    views = [d for v in VIEW_SPECS for d in _dispatched(v)]
+    views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
     tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX]
     for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles:
         if s not in out:

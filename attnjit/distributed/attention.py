@@ -74,6 +74,10 @@ class _ContextParallelWrapper:
         self._shape: tuple | None = None           # (rows, H_q, D) of the plan
 
     @property
+    def combiner(self) -> StateCombiner:
+        return self._combiner
+
+    @property
     def table(self) -> ShardTable | None:
         """The current plan's shard of the page table."""
         return self._table

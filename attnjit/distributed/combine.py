@@ -76,6 +76,12 @@ class StateCombiner:
             self._sum = torch.empty(rows, heads, dim + 1, dtype=acc, device=device)
         self._shape = shape
 
+    def local(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's own state as the local kernel left it (the send buffer; combine() does not change it)."""
+        if self._shape is None:
+            raise RuntimeError("local() called before local_state()")
+        return self._o, self._lse
+
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
         """After the all-gather: (v [rows, world, H, D], s [rows, world, H]) views of every rank's state."""
         rows, heads, dim, o_dtype, lse_dtype, _ = self._shape

@@ -214,12 +214,26 @@ def _engine(cfg_seed, ops=None, **kw):
     return eng, reqs
 
 
+def own_pages_only(cache: torch.Tensor, kv_indptr, kv_indices, last_page_len, *, page_size: int, world: int,
+                   rank: int) -> torch.Tensor:
+    """This rank's cache: a copy with every page it does not own (scratch page 0 included) set to NaN, so a read
+    of another rank's page shows in the result."""
+    t = shard_page_table(kv_indptr, last_page_len, page_size=page_size, world=world, rank=rank)
+    mine = torch.zeros(cache.shape[0], dtype=torch.bool, device=cache.device)
+    mine[torch.as_tensor(t.page_ids(list(kv_indices)), dtype=torch.long, device=cache.device)] = True
+    local = cache.clone()
+    local[~mine] = math.nan
+    return local
+
+
 def _rank_main(rank: int, world: int, out_dir: str) -> None:
     """Every case through the wrappers, and the example engine, on one rank; results saved for the parent."""
     res = {}
     ws = torch.empty(1, dtype=torch.uint8)
     for name, (_, _, ps, layout, causal, op, combine) in CASES.items():
         b = _batch(name)
+        b.cache = own_pages_only(b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, page_size=ps, world=world,
+                                 rank=rank)
         qo, kvp, idx, last = b.tensors("cpu")
         if op == "decode":
             w = ContextParallelDecode(ws, layout, local_backend="reference", combine=combine)
@@ -322,12 +336,45 @@ def test_example_with_context_parallel_2_generates_the_tokens_of_one_process(tmp
     assert two["stats"]["mixed_steps"] > 0 and two["stats"]["decode_steps"] > 0
 
 
-def test_wrapper_errors_name_the_argument(tmp_path):
-    """Checked before any collective (a world of one, in this process)."""
+@pytest.fixture
+def world_of_one(tmp_path):
+    """A gloo group of one rank in this process."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdv'}", rank=0, world_size=1)
-    try:
+    yield
+    dist.destroy_process_group()
+
+
+def test_attnjit_wrappers_plan_on_a_cpu_in_graph_mode(world_of_one):
+    """The GPU configuration of the engine's graph buckets, up to the kernel: fixed buffers sized from the
+    engine's, two plans of one batch size with other lengths, run() failing only for want of a GPU."""
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    kvp_buf, idx_buf, last_buf = i32([0] * 5), i32([0] * 64), i32([0] * 4)
+    d = ContextParallelDecode(ws, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=kvp_buf,
+                              paged_kv_indices_buffer=idx_buf, paged_kv_last_page_len_buffer=last_buf)
+    batches = [make_paged([1] * 4, lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                          dtype=torch.bfloat16, seed=lens[0]) for lens in ([100, 17, 5, 1], [1, 16, 33, 200])]
+    cache = batches[1].cache                      # one cache for every replay (it has the most pages)
+    for b in batches:
+        _, kvp, idx, last = b.tensors("cpu")
+        d.plan(kvp, idx, last, 32, 8, 128, 16, q_data_type=torch.bfloat16)
+        with pytest.raises(NoGPUError, match="kernels run on CUDA devices only"):
+            d.run(b.q, cache)
+    with pytest.raises(ValueError, match="planned for 4 query rows; plan\\(\\) got 3"):
+        d.plan(i32([0, 1, 2, 3]), i32([1, 2, 3]), i32([1, 1, 1]), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    p = ContextParallelPrefill(ws, "NHD", backend="fa2")
+    b = make_paged([3, 1, 4], [6, 2, 9], page_size=4, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16)
+    qo, kvp, idx, last = b.tensors("cpu")
+    p.plan(qo, kvp, idx, last, 32, 8, 128, 4, causal=True, q_data_type=torch.bfloat16)
+    with pytest.raises(NoGPUError, match="kernels run on CUDA devices only"):
+        p.run(b.q, b.cache)
+
+
+def test_wrapper_errors_name_the_argument(world_of_one):
+    """Checked before any collective (a world of one, in this process)."""
+    if True:
         ws = torch.empty(1, dtype=torch.uint8)
         b = _batch("prefill_causal")
         qo, kvp, idx, last = b.tensors("cpu")
@@ -354,8 +401,6 @@ def test_wrapper_errors_name_the_argument(tmp_path):
         o, lse = w.run(b.q, b.cache, return_lse=True)
         ref_o, _ = _expected("prefill_causal")
         assert (o - ref_o).abs().max().item() < 1e-12
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.nvcc

@@ -321,16 +321,19 @@ def test_engine_over_three_ranks_equals_one_process(ranks):
 
 
 def test_example_with_context_parallel_2_generates_the_tokens_of_one_process(tmp_path):
-    def run(*extra):
-        out = tmp_path / f"run{len(extra)}.json"
-        proc = subprocess.run([sys.executable, str(ROOT / "examples" / "llama_serving.py"), "--json", str(out),
-                               "--max-batch-tokens", "64", *extra], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-        return json.loads(out.read_text()), proc.stdout
+    import importlib.util
 
-    one, _ = run()
-    two, stdout = run("--context-parallel", "2")
-    assert "context-parallel over 2 ranks (all_gather)" in stdout
+    script = ROOT / "examples" / "llama_serving.py"
+    spec = importlib.util.spec_from_file_location("llama_serving_example", script)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--json", str(tmp_path / "one.json"), "--max-batch-tokens", "64"]) == 0   # in process
+    one = json.loads((tmp_path / "one.json").read_text())
+    proc = subprocess.run([sys.executable, str(script), "--json", str(tmp_path / "two.json"), "--max-batch-tokens",
+                           "64", "--context-parallel", "2"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert "context-parallel over 2 ranks (all_gather)" in proc.stdout
     assert two["context_parallel"] == {"ranks": 2, "combine": "all_gather"}
     assert [r["generated"] for r in two["requests"]] == [r["generated"] for r in one["requests"]]
     assert two["stats"]["mixed_steps"] > 0 and two["stats"]["decode_steps"] > 0
@@ -395,6 +398,8 @@ def test_wrapper_errors_name_the_argument(world_of_one):
             d.plan(i32([0, 1, 1]), i32([3]), i32([1, 0]), H_Q, H_KV, D, 4)
         with pytest.raises(ValueError, match="local_backend must be one of attnjit, reference"):
             ContextParallelDecode(ws, local_backend="vllm")
+        with pytest.raises(ValueError, match="kv_layout must be 'NHD' or 'HND', got 'NDH'"):
+            ContextParallelPrefill(ws, "NDH", local_backend="reference")
         with pytest.raises(ValueError, match="method must be one of all_gather, all_reduce"):
             ContextParallelDecode(ws, local_backend="reference", combine="tree")
         # a world of one: the wrapper is the reference itself

@@ -59,6 +59,8 @@ class _ContextParallelWrapper:
                  page_capacity: int | None = None, **wrapper_kwargs: Any):
         if not isinstance(float_workspace_buffer, torch.Tensor):
             raise TypeError(f"float_workspace_buffer must be a torch.Tensor, got {type(float_workspace_buffer).__name__}")
+        if kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
         if isinstance(scratch_page, bool) or not isinstance(scratch_page, int) or scratch_page < 0:
             raise ValueError(f"scratch_page must be a page id >= 0 (a page every rank's cache has), got {scratch_page!r}")
         self._combiner = StateCombiner(group, combine)

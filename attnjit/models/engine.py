@@ -109,11 +109,13 @@ class Engine:
                  num_pages: int | None = None, max_model_len: int = 4096, max_batch_tokens: int = 512,
                  max_running: int = 64, dtype: torch.dtype = torch.bfloat16, attn_dtype: torch.dtype | None = None,
                  device="cuda", cuda_graphs: bool = False, graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-                 keep_logits: bool = False, check_pages: bool = False):
+                 keep_logits: bool = False, check_pages: bool = False, ops=None):
+        """``ops``: a namespace of the three attention names to use instead of ``load_ops(backend)`` (e.g.
+        ``attnjit.distributed.context_parallel_ops(...)``, whose wrappers shard the KV pages over a process group)."""
         self.config = config
         self.device = torch.device(device)
         self.backend = backend
-        self.ops = load_ops(backend)
+        self.ops = ops if ops is not None else load_ops(backend)
         self.page_size = page_size
         self.max_pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:

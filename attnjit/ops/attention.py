@@ -31,7 +31,8 @@ from . import planner as P
 from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_no_overlap, check_tensor,
                       check_vectors, spec_for, unpack_paged_cache, unsupported, with_family)
 from ._upload import MetadataBuffers
-from ._variants import Binding, bind, check_value
+from ._variants import Binding, bind, check_value, with_sinks
+from .compat import FlashInferAliases, plan_settings
 from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
@@ -61,9 +62,11 @@ class _Plan:
     attn: Any = None                # dispatch.Launch
     attn_values: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
+    settings: dict = field(default_factory=dict)  # what plan() fixed, by FlashInfer's names (compat.plan_settings)
+    extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
 
     def decision(self) -> dict:
-        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads)}
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
 
 
 def _arch_for(device: torch.device) -> str:
@@ -78,7 +81,7 @@ def vector_ready(t: torch.Tensor) -> bool:
             and (t.shape[1] <= 1 or t.stride(1) % 8 == 0))
 
 
-class _AttentionWrapper:
+class _AttentionWrapper(FlashInferAliases):
     """State shared by the three batch wrappers: workspace, layout, CUDA-graph buffers, the current plan."""
 
     _op = "prefill"
@@ -134,6 +137,10 @@ class _AttentionWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    def _decision_extra(self) -> dict:
+        """What this wrapper adds to the plan's decisions (the dispatch record's ``plan``)."""
+        return {}
+
     @property
     def last_plan(self) -> dict | None:
         """The current plan's decisions (tile, split-KV, work items): what the dispatch record carries."""
@@ -142,12 +149,13 @@ class _AttentionWrapper:
     # --- plan ---------------------------------------------------------------------------------------------
 
     def _bind(self, batch: P.Batch, num_qo_heads: int, opts: P.PlanOptions, custom_mask=None,
-              packed_custom_mask=None) -> Binding:
+              packed_custom_mask=None, *, head_dim: int, sinks: Any = False) -> Binding:
         """The wrapper's variant with the built-ins that FlashInfer's feature arguments ask for."""
         return bind(user=self._variant, logits_soft_cap=opts.logits_soft_cap, window_left=opts.window_left,
                     pos_encoding_mode=opts.pos_encoding_mode, custom_mask=custom_mask,
                     packed_custom_mask=packed_custom_mask, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
-                    num_qo_heads=num_qo_heads, device=self._device)
+                    num_qo_heads=num_qo_heads, device=self._device, head_dim=head_dim, rope_scale=opts.rope_scale,
+                    rope_theta=opts.rope_theta, sinks=P.as_flag("sinks", sinks, none=False))
 
     def _finish_plan(self, *, spec: AttentionSpec, batch: P.Batch, num_qo_heads: int, num_kv_heads: int,
                      dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions,
@@ -195,6 +203,8 @@ class _AttentionWrapper:
                      variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
                                     "request+1": size + 1, "qo_token": total_q})
         plan.keep += binding.keep
+        plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
+        plan.extra = self._decision_extra()
         plan.layout = attention_layout(spec.variant)
         kinds = binding.kinds()
         plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
@@ -358,9 +368,9 @@ class _PagedMixin:
         wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None:
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
-        plan = self._current_plan(variant_params, return_lse, lse)
+        if q_scale is not None or k_scale is not None or v_scale is not None:
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        plan = self._current_plan(with_sinks(self._plan, variant_params, sinks), return_lse, lse)
         if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
@@ -369,9 +379,6 @@ class _PagedMixin:
         self._require_gpu(plan)
         self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
         return (out, lse) if return_lse else out
-
-    def forward(self, *args: Any, **kwargs: Any):
-        return self.run(*args, **kwargs)
 
     def _check_cache(self, plan: _Plan, paged_kv_cache) -> PagedCache:
         memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
@@ -427,9 +434,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             **unused: Any) -> None:
-        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                    **unused)
+             sinks: bool = False, **unused: Any) -> None:
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
         page_size = P.plan_page_size(page_size)
@@ -437,11 +443,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         qo = P.read_qo_indptr("qo_indptr", qo_indptr, self._device)
         batch = self._plan_paged(qo=qo, names=_PAGED_NAMES, indptr=paged_kv_indptr, indices=paged_kv_indices,
                                  last_page_len=paged_kv_last_page_len, page_size=page_size)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask)
+        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
+                             sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             P.check_causal("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len", qo, batch.kv_lens)
@@ -466,18 +473,27 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  *, max_work_items: int | None = None, variant: Variant | str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant, backend=backend)
+        self._use_tensor_cores = P.as_flag("use_tensor_cores", use_tensor_cores)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """FlashInfer's flag (it picks a prefill kernel for decode). attnjit's decode kernels use the tensor cores
+        (mma.sync) either way; the plan's decisions record both (``use_tensor_cores``, ``tensor_cores``)."""
+        return self._use_tensor_cores
+
+    def _decision_extra(self) -> dict:
+        return {"use_tensor_cores": self._use_tensor_cores, "tensor_cores": True}
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None, data_type=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
              block_tables=None, seq_lens=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             o_data_type=None, **unused: Any) -> None:
-        unsupported(rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
-                    **unused)
+             o_data_type=None, sinks: bool = False, **unused: Any) -> None:
+        unsupported(block_tables=block_tables, seq_lens=seq_lens, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim", head_dim)
         page_size = P.plan_page_size(page_size)
@@ -487,18 +503,15 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         check_metadata("indptr", indptr, self._device, host_ok=True)
         if indptr.numel() < 1:
             raise ValueError("indptr must have batch_size + 1 >= 1 elements, got an empty tensor")
         size = indptr.numel() - 1
         batch = self._plan_paged(qo=np.arange(size + 1, dtype=np.int64), names=("indptr", "indices", "last_page_len"),
                                  indptr=indptr, indices=indices, last_page_len=last_page_len, page_size=page_size)
-        empty = np.flatnonzero(batch.kv_lens == 0)
-        if empty.size:
-            raise ValueError(f"indptr: request {int(empty[0])} has an empty KV history; decode needs at least the "
-                             "current token's key (append it before planning)")
-        binding = self._bind(batch, num_qo_heads, opts)
+        # a request with an empty KV history (no pages) is allowed, as in FlashInfer: its rows are 0, lse -inf
+        binding = self._bind(batch, num_qo_heads, opts, head_dim=head_dim, sinks=sinks)
         q_dtype, kv_dtype, o_dtype = dtypes
         spec = spec_for(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                         dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
@@ -529,20 +542,20 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
              window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             **unused: Any) -> None:
-        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                    **unused)
+             sinks: bool = False, **unused: Any) -> None:
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
         dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         qo = P.read_qo_indptr("qo_indptr", qo_indptr, self._device)
         batch = dataclasses.replace(P.read_ragged("kv_indptr", kv_indptr, batch=len(qo) - 1, device=self._device),
                                     qo_indptr=qo)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask)
+        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
+                             sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             P.check_causal("qo_indptr", "kv_indptr", qo, batch.kv_lens)
@@ -554,12 +567,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                           dtypes=dtypes, opts=opts, page_ids=None, binding=binding)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, **variant_params: Any):
+            return_lse: bool = False, enable_pdl=None, sinks=None, **variant_params: Any):
         """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] -> out [nnz_qo, H_q, D] (and lse with return_lse). The
         wrapper's variant takes its parameters here by name."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
-        plan = self._current_plan(variant_params, return_lse, lse)
+        plan = self._current_plan(with_sinks(self._plan, variant_params, sinks), return_lse, lse)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtype=plan.kv_dtype, dim=3, device=self._device)
             if t.shape[0] < plan.total_kv or t.shape[1] != plan.num_kv_heads or t.shape[2] != plan.head_dim \
@@ -574,5 +587,3 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         self._require_gpu(plan)
         self._launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
         return (out, lse) if return_lse else out
-
-    forward = run

@@ -211,6 +211,51 @@ VARIANTS = [
 
 VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
 
+
+# --- issue 14: RoPE inside attention, attention sinks (tests/gpu/test_serving.py) ----------------------------------
+
+@dataclass(frozen=True)
+class ServingCase:
+    name: str
+    kind: str                   # paged | ragged | decode | sink_wrapper (paged, FlashInfer's sink wrapper)
+    feature: str                # rope | rope_scaled | sink | sink_window
+    causal: bool = True
+    split: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def builtin_variant(self):
+        """The variant plan() composes for the feature (ROPE_LLAMA first, the sink last)."""
+        return {"rope": builtin.ROPE_LLAMA, "rope_scaled": builtin.ROPE_LLAMA, "sink": builtin.SINK,
+                "sink_window": builtin.compose(builtin.SLIDING_WINDOW, builtin.SINK)}[self.feature]
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return ("fa2",) if self.kind == "decode" else FAMILIES
+
+    def spec(self, family: str = "fa2") -> AttentionSpec:
+        kind = "paged" if self.kind == "sink_wrapper" else self.kind
+        base = replace(_P if kind == "paged" else _R if kind == "ragged" else _D, dtype=self.dtype,
+                       causal=self.causal and kind != "decode")
+        return base.spec(family).replace(variant=self.builtin_variant)
+
+
+SERVING = [
+    ServingCase("rope-paged", "paged", "rope"),
+    ServingCase("rope-scaled-paged-noncausal-split", "paged", "rope_scaled", False, "force"),
+    ServingCase("rope-ragged-fp16", "ragged", "rope", dtype=torch.float16),
+    ServingCase("rope-decode", "decode", "rope"),
+    ServingCase("rope-scaled-decode-split", "decode", "rope_scaled", split="force"),
+    ServingCase("sink-paged", "paged", "sink"),
+    ServingCase("sink-window-paged-split", "paged", "sink_window", split="force"),
+    ServingCase("sink-ragged-noncausal", "ragged", "sink", False),
+    ServingCase("sink-decode", "decode", "sink"),
+    ServingCase("sink-window-decode-split", "decode", "sink_window", split="force"),
+    ServingCase("sink-wrapper-window", "sink_wrapper", "sink_window"),
+    ServingCase("sink-wrapper-fp16-noncausal", "sink_wrapper", "sink", False, dtype=torch.float16),
+]
+SERVING_MATRIX = [(c, f) for c in SERVING for f in c.families]
+
 # What tests/gpu/test_views.py compiles (views of every argument of every op; issue 10).
 _VIEW_BASE = dict(head_dim=128, page_size=16, dtype="bf16", group_size=4)
 VIEW_SPECS = [
@@ -240,7 +285,8 @@ def _dispatched(spec: AttentionSpec) -> list[AttentionSpec]:
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS for d in _dispatched(v)]
-    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views:
+    serving = [c.spec(f) for c, f in SERVING_MATRIX]
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + serving:
         if s not in out:
             out.append(s)
     return out

@@ -67,23 +67,63 @@ __device__ __forceinline__ void gather_q(const Item& it, uint32_t base, unsigned
 }
 
 // Apply the variant's query transform to the Q tile in shared memory (once per work item, before use), on
-// `nthreads` threads.
+// `nthreads` threads. A thread transforms both chunks of a rotation pair (c and c + CHUNKS/2: dims d and d + D/2),
+// two elements (4 bytes) of each at a time, reading both before it writes either, so the in-place transform has no
+// race between the halves of a row and holds few registers (it runs beside the live O accumulators).
 template <typename G, typename Item>
 __device__ __forceinline__ void transform_q_tile(const Item& it, uint8_t* q_tile, unsigned tid, int nthreads) {
   using T = typename G::T;
-  constexpr int CHUNKS = G::HEAD_DIM / 8;
-  for (int i = tid; i < G::CTA_Q * CHUNKS; i += nthreads) {
-    const int r = i / CHUNKS, c = i % CHUNKS;
+  constexpr int HALF = G::HEAD_DIM / 16;  // chunks in half a row
+#pragma unroll 1
+  for (int i = tid; i < G::CTA_Q * HALF; i += nthreads) {
+    const int r = i / HALF, c = i % HALF;
     const int pr = it.packed_row0 + r;
     if (pr >= it.rows_total) continue;
-    T* ptr = reinterpret_cast<T*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c));
-    float x[8];
-    load8<T>(ptr, x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      x[e] = it.var.query_transform(x[e], c * 8 + e, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req, it.qo_head_of(pr),
-                                    it.kv_head);
-    store8<T>(ptr, x);
+    uint32_t* lo = reinterpret_cast<uint32_t*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c));
+    uint32_t* hi = reinterpret_cast<uint32_t*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c + HALF));
+    const int q_pos = it.q_pos_of(pr), qo_head = it.qo_head_of(pr);
+#pragma unroll 1
+    for (int w = 0; w < 4; ++w) {
+      const float2 a = unpack2<T>(lo[w]), b = unpack2<T>(hi[w]);
+      float a0 = a.x, a1 = a.y, b0 = b.x, b1 = b.y;
+      const int d = c * 8 + 2 * w;
+      it.var.query_transform_pair(a0, b0, d, d + G::HEAD_DIM / 2, q_pos, it.qo_len, it.kv_len, it.req, qo_head,
+                                  it.kv_head);
+      it.var.query_transform_pair(a1, b1, d + 1, d + 1 + G::HEAD_DIM / 2, q_pos, it.qo_len, it.kv_len, it.req,
+                                  qo_head, it.kv_head);
+      lo[w] = pack2<T>(a0, a1);
+      hi[w] = pack2<T>(b0, b1);
+    }
+  }
+}
+
+// Apply the variant's key transform to the K tile at `k_tile` (keys kv0 .. kv0 + CTA_KV - 1) in shared memory, on
+// `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half at a time: it runs in the
+// main loop beside the O accumulators, so it must hold few registers. Rows at or past kv_stop are zero-filled and
+// hidden: left alone. The caller makes the tile resident before and synchronizes the threads after (and, where an
+// async-proxy reader such as wgmma follows, fences the proxies).
+template <typename G, typename Item>
+__device__ __forceinline__ void transform_k_tile(const Item& it, uint8_t* k_tile, int kv0, unsigned tid, int nthreads) {
+  using T = typename G::T;
+  constexpr int HALF = G::HEAD_DIM / 16;
+#pragma unroll 1
+  for (int i = tid; i < G::CTA_KV * HALF; i += nthreads) {
+    const int r = i / HALF, c = i % HALF;
+    const int kv_pos = kv0 + r;
+    if (kv_pos >= it.kv_stop) continue;
+    uint32_t* lo = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c));
+    uint32_t* hi = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c + HALF));
+#pragma unroll 1
+    for (int w = 0; w < 4; ++w) {
+      const float2 a = unpack2<T>(lo[w]), b = unpack2<T>(hi[w]);
+      float a0 = a.x, a1 = a.y, b0 = b.x, b1 = b.y;
+      const int d = c * 8 + 2 * w;
+      it.var.key_transform_pair(a0, b0, d, d + G::HEAD_DIM / 2, kv_pos, it.qo_len, it.kv_len, it.req, it.kv_head);
+      it.var.key_transform_pair(a1, b1, d + 1, d + 1 + G::HEAD_DIM / 2, kv_pos, it.qo_len, it.kv_len, it.req,
+                                it.kv_head);
+      lo[w] = pack2<T>(a0, a1);
+      hi[w] = pack2<T>(b0, b1);
+    }
   }
 }
 

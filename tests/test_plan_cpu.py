@@ -258,8 +258,8 @@ PAGED_BAD = {
     "float32 kv": (dict(kv_data_type=torch.float32), TypeError, r"kv_data_type=torch.float32 is not supported"),
     "mixed q/kv": (dict(kv_data_type=torch.bfloat16), ValueError, r"kv_data_type=torch.bfloat16 must equal "
                                                                    r"q_data_type=torch.float16"),
-    "page_size 3": (dict(page_size=3), ValueError, r"page_size=3 is not supported: expected a power of two"),
-    "page_size 256": (dict(page_size=256), ValueError, r"page_size=256 is not supported"),
+    "page_size 0": (dict(page_size=0), ValueError, r"page_size=0 is not supported: expected an integer from 1 to 1024"),
+    "page_size 1025": (dict(page_size=1025), ValueError, r"page_size=1025 is not supported"),
     "sm_scale negative": (dict(sm_scale=-1.0), ValueError, r"sm_scale must be a positive finite number, got -1.0"),
     "negative soft cap": (dict(logits_soft_cap=-30.0), ValueError, r"logits_soft_cap must be a positive finite number, got -30.0"),
     "bad window": (dict(window_left=-5), ValueError, r"window_left=-5 must be -1 \(no window\) or a non-negative int"),
@@ -301,7 +301,7 @@ DECODE_BAD = {
     "head_dim 96": (dict(head_dim=96), ValueError, r"head_dim=96 is not supported"),
     "group of 5 over 3": (dict(num_qo_heads=5, num_kv_heads=3), ValueError, r"num_qo_heads=5 must be a multiple"),
     "float32": (dict(q_data_type="float32"), TypeError, r"q_data_type='float32' is not supported"),
-    "page_size 3": (dict(page_size=3), ValueError, r"page_size=3"),
+    "page_size 2048": (dict(page_size=2048), ValueError, r"page_size=2048"),
 }
 
 

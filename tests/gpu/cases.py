@@ -98,6 +98,15 @@ PAGED = [
     replace(_P, name="paged-shared-prefix", shared_prefix=True),
     replace(_P, name="paged-logits+1000", offset=1000.0),
     replace(_P, name="paged-logits-1000-fp16", offset=-1000.0, dtype=F16),
+    # any page size (issue 14): tiles of 64 (fa2) or 128 (sm90) tokens against pages that do not nest with them
+    # start mid-page and span two or three pages; 1024 holds a whole request
+    replace(_P, name="paged-p3", page_size=3),
+    replace(_P, name="paged-p5-fp16-noncausal", page_size=5, dtype=F16, causal=False),
+    replace(_P, name="paged-p48", page_size=48),
+    replace(_P, name="paged-p48-hnd-split-forced", page_size=48, layout="HND", split="force"),
+    replace(_P, name="paged-p528-split-forced", page_size=528, split="force"),
+    replace(_P, name="paged-d256-p528-fp16", head_dim=256, page_size=528, dtype=F16),
+    replace(_P, name="paged-p1024", page_size=1024),
 ]
 RAGGED = [
     _R,
@@ -133,6 +142,12 @@ DECODE = [
     replace(_D, name="decode-shared-prefix", kv_lens=DEC_MED, shared_prefix=True),
     replace(_D, name="decode-logits+1000", offset=1000.0, kv_lens=DEC_MED),
     replace(_D, name="decode-logits-1000-fp16", offset=-1000.0, dtype=F16, kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p3", page_size=3, kv_lens=DEC_MED),
+    replace(_D, name="decode-p5-fp16", page_size=5, dtype=F16),
+    replace(_D, name="decode-p48", page_size=48, kv_lens=DEC_MED),
+    replace(_D, name="decode-p48-hnd-split-forced", page_size=48, layout="HND", kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p528-split-forced", page_size=528, kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p1024", page_size=1024, kv_lens=DEC_MED),
 ]
 ALL = PAGED + RAGGED + DECODE
 # every case on each of its families: the matrix the GPU tests run
@@ -143,7 +158,8 @@ EXTRA_SPECS = [
     AttentionSpec(op="merge_state", head_dim=hd, dtype=dt) for hd in (64, 128, 256) for dt in ("fp16", "bf16")
 ] + [
     AttentionSpec(op="append_kv", head_dim=128, page_size=ps, dtype=dt, layout=lay)
-    for ps, dt, lay in ((16, "bf16", "NHD"), (1, "fp16", "NHD"), (16, "fp16", "HND"), (8, "bf16", "HND"))
+    for ps, dt, lay in ((16, "bf16", "NHD"), (1, "fp16", "NHD"), (16, "fp16", "HND"), (8, "bf16", "HND"),
+                        (48, "bf16", "NHD"), (5, "fp16", "HND"))
 ] + [
     AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
     AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="causal"),

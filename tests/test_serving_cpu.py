@@ -271,3 +271,136 @@ def test_rope_and_sink_kernels_compile_without_spills(tmp_path, family, op, vari
     log = _compile(tmp_path, spec)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     assert spills and all(a == "0" and b == "0" for a, b in spills), log
+
+
+# --- cascade: plan() validation -----------------------------------------------------------------------------------
+
+from attnjit.ops.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
+from tests.helpers import make_cascade  # noqa: E402
+
+
+def _cascade(levels=(((3, 40),), ((1, 5), (2, 9))), qo=(1, 2, 1)):
+    return make_cascade(list(qo), [list(lv) for lv in levels], page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV,
+                        head_dim=D, dtype=torch.float16)
+
+
+def test_cascade_plans_each_level_with_causal_on_the_last_only():
+    b = _cascade()
+    w = MultiLevelCascadeAttentionWrapper(2, ws(), "NHD")
+    w.plan(*b.arrays("cpu"), H_Q, H_KV, D, PS, causal=True, q_data_type=torch.float16)
+    prefix, suffix = w._batch_prefill_wrappers
+    assert prefix._plan.spec.mask == "none" and suffix._plan.spec.mask == "causal"
+    assert prefix._plan.batch_size == 1 and suffix._plan.batch_size == 2
+    assert [r[10] for r in prefix._plan.work.records] == [40]  # one group: the prefix read once
+    assert len(w.last_plan) == 2 and w.num_levels == 2 and not w.is_cuda_graph_enabled
+    o, lse = w._scratch[0]
+    assert o.shape == (4, H_Q, D) and o.dtype == torch.float16 and lse.shape == (4, H_Q)
+    with pytest.raises(attnjit.NoGPUError):  # checked against the plan: it gets as far as needing a GPU
+        w.run(torch.randn(4, H_Q, D).half(), b.cache)
+    with pytest.raises(ValueError, match=r"q must be torch.float16 \[4, 32, 128\]"):
+        w.run(torch.randn(5, H_Q, D).half(), b.cache)
+
+
+def test_cascade_three_levels_plan():
+    b = _cascade(levels=(((4, 33),), ((2, 8), (2, 17)), ((1, 3), (1, 1), (1, 6), (1, 2))), qo=(1, 1, 1, 1))
+    w = MultiLevelCascadeAttentionWrapper(3, ws())
+    w.plan(*b.arrays("cpu"), H_Q, H_KV, D, PS, q_data_type=torch.float16)
+    assert [lw._plan.batch_size for lw in w._batch_prefill_wrappers] == [1, 2, 4]
+    assert len(w._scratch) == 2
+
+
+CASCADE_BAD = {
+    "not a list": (dict(qo_indptr_arr=i32([0, 3])), TypeError, r"qo_indptr_arr must be a list of 2 tensors"),
+    "wrong level count": (dict(paged_kv_indptr_arr=[i32([0, 10])]), ValueError,
+                          r"paged_kv_indptr_arr has 1 entries; this wrapper has num_levels=2"),
+    "rows differ": (dict(qo_indptr_arr=[i32([0, 3]), i32([0, 1, 4])]), ValueError,
+                    r"qo_indptr_arr\[1\]\[-1\]=4 but qo_indptr_arr\[0\]\[-1\]=3"),
+    "window": (dict(window_left=8), NotImplementedError, r"window_left=8 with 2 cascade levels"),
+    "rope": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError,
+             r"pos_encoding_mode='ROPE_LLAMA' with 2 cascade levels"),
+    "sinks": (dict(sinks=True), NotImplementedError, r"sinks is not supported by the cascade wrapper"),
+    "level error names the level": (dict(paged_kv_last_page_len=[i32([9]), i32([1, 1])]), ValueError,
+                                    r"cascade level 0: paged_kv_last_page_len\[0\]=9 is outside 1..page_size=4"),
+    "causal suffix shorter than queries": (dict(qo_indptr_arr=[i32([0, 3]), i32([0, 1, 3])],
+                                                paged_kv_last_page_len=[i32([4]), i32([1, 1])],
+                                                paged_kv_indptr_arr=[i32([0, 10]), i32([0, 1, 2])], causal=True),
+                                           ValueError, r"cascade level 1: qo_indptr: request 1 has 2 query rows"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASCADE_BAD))
+def test_cascade_plan_rejects(name):
+    changes, exc, pattern = CASCADE_BAD[name]
+    b = _cascade()
+    qo, kvp, idx, last = b.arrays("cpu")
+    args = dict(qo_indptr_arr=qo, paged_kv_indptr_arr=kvp, paged_kv_indices_arr=idx, paged_kv_last_page_len=last,
+                num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, page_size=PS, q_data_type=torch.float16)
+    args.update(changes)
+    w = MultiLevelCascadeAttentionWrapper(2, ws())
+    with pytest.raises(exc, match=pattern):
+        w.plan(**args)
+    assert w.last_plan is None
+
+
+def test_cascade_constructor_checks():
+    with pytest.raises(ValueError, match=r"num_levels must be 1..16, got 0"):
+        MultiLevelCascadeAttentionWrapper(0, ws())
+    with pytest.raises(TypeError, match=r"num_levels must be an int"):
+        MultiLevelCascadeAttentionWrapper(2.0, ws())
+    with pytest.raises(ValueError, match=r"fixed buffers are for use_cuda_graph=True"):
+        MultiLevelCascadeAttentionWrapper(2, ws(), qo_indptr_buf_arr=[i32([0, 1]), i32([0, 1])])
+    with pytest.raises(ValueError, match=r"qo_indptr_buf_arr has 1 entries"):
+        MultiLevelCascadeAttentionWrapper(2, ws(), use_cuda_graph=True, qo_indptr_buf_arr=[i32([0, 1])])
+    with pytest.raises(RuntimeError, match=r"run\(\) called before plan\(\)"):
+        MultiLevelCascadeAttentionWrapper(2, ws()).run(torch.zeros(1, H_Q, D), None)
+    assert attnjit.MultiLevelCascadeAttentionWrapper is MultiLevelCascadeAttentionWrapper
+
+
+# --- any page size (1..1024) --------------------------------------------------------------------------------------
+
+from attnjit.families import fa2 as fa2_family  # noqa: E402
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 5, 48, 100, 528, 1000, 1024])
+def test_any_page_size_is_a_spec_and_plans(page_size):
+    for op, kw in (("prefill", dict(mask="causal")), ("decode", {})):
+        spec = AttentionSpec(op=op, head_dim=128, page_size=page_size, dtype="bf16", group_size=4, **kw)
+        assert spec.page_size == page_size and f"p{page_size}-" in spec.short_name()
+    AttentionSpec(op="append_kv", head_dim=128, page_size=page_size, dtype="bf16")
+    kv_lens = [1, page_size, page_size + 1, 3 * page_size - 1]
+    pages = [-(-k // page_size) for k in kv_lens]
+    indptr = [0]
+    for n in pages:
+        indptr.append(indptr[-1] + n)
+    last = [k - page_size * (n - 1) for k, n in zip(kv_lens, pages)]
+    w = BatchDecodeWithPagedKVCacheWrapper(ws())
+    w.plan(i32(indptr), i32(list(range(indptr[-1]))), i32(last), H_Q, H_KV, D, page_size, disable_split_kv=True)
+    assert sorted(r[10] for r in w._plan.work.records) == sorted(kv_lens)
+    assert w._plan.spec.page_size == page_size
+
+
+@pytest.mark.parametrize("cta_kv,page_size,want", [(64, 16, 4), (64, 1, 64), (64, 64, 1), (64, 128, 1), (64, 1024, 1),
+                                                   (64, 48, 3), (64, 3, 23), (64, 528, 2), (128, 48, 4), (32, 96, 1)])
+def test_pages_a_tile_can_touch(cta_kv, page_size, want):
+    """A tile of cta_kv tokens from a multiple of cta_kv: the most pages it touches, checked by brute force."""
+    assert fa2_family.pages_per_tile_of(cta_kv, page_size) == want
+    worst = max(len({j // page_size for j in range(t * cta_kv, (t + 1) * cta_kv)}) for t in range(4 * page_size))
+    assert worst <= want
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("family,op,page_size,layout", [("fa2", "prefill", 48, "HND"), ("sm90", "prefill", 528, "NHD"),
+                                                         ("sm90", "prefill", 3, "NHD"), ("fa2", "decode", 5, "NHD"),
+                                                         ("fa2", "decode", 1024, "HND")])
+def test_non_power_of_two_pages_compile(tmp_path, family, op, page_size, layout):
+    """Kernels for pages that do not nest with the KV tile compile for sm_90a (the template's static_asserts check
+    the Python tile's shared-memory size against the traits, page ids per tile included); the sm90 and decode
+    kernels do not spill."""
+    kw = dict(mask="causal") if op == "prefill" else {}
+    spec = AttentionSpec(op=op, head_dim=128, page_size=page_size, dtype="bf16", group_size=4, family=family,
+                         layout=layout, **kw)
+    log = _compile(tmp_path, spec)
+    if family == "sm90" or op == "decode":
+        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+        assert spills and all(a == "0" and b == "0" for a, b in spills), log
+    _compile(tmp_path, AttentionSpec(op="append_kv", head_dim=128, page_size=page_size, dtype="bf16", layout=layout))

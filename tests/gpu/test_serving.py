@@ -178,3 +178,41 @@ def test_flashinfer_aliases_run_the_plan(workspace):
     assert_close(out2, ref_o, torch.bfloat16)
     assert_lse_close(lse2, ref_lse)
     w.end_forward()
+
+
+# --- cascade (shared-prefix) attention against the flat computation -------------------------------------------------
+
+from ..helpers import make_cascade  # noqa: E402
+
+CASCADES = {
+    # name: (qo_lens, levels (groups of (requests, kv_len) per level), causal, plan kwargs)
+    "2-level-decode": ((1,) * 16, [[(16, 1000)], [(1, 1 + (i * 37) % 300) for i in range(16)]], False, {}),
+    "2-level-decode-split": ((1,) * 16, [[(16, 3000)], [(1, 17 + i) for i in range(16)]], False,
+                             {"fixed_split_size": 128}),
+    "2-level-append-causal": ((3, 1, 5, 2), [[(4, 517)], [(1, 40), (1, 1), (1, 64), (1, 300)]], True, {}),
+    "3-level-decode": ((1,) * 6, [[(6, 700)], [(3, 129), (3, 64)], [(1, 5), (1, 1), (1, 90), (1, 33), (1, 2),
+                                                                   (1, 16)]], False, {}),
+    "3-level-causal": ((2,) * 6, [[(6, 300)], [(2, 48), (4, 200)], [(1, 5), (1, 2), (1, 90), (1, 33), (1, 2),
+                                                                    (1, 16)]], True, {}),
+}
+
+
+@pytest.mark.parametrize("family", ["fa2", "sm90"])
+@pytest.mark.parametrize("name", list(CASCADES))
+def test_cascade_matches_the_flat_computation(workspace, name, family):
+    qo_lens, levels, causal, kw = CASCADES[name]
+    b = make_cascade(qo_lens, levels, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                     dtype=torch.bfloat16, device=DEV, seed=zlib.crc32(name.encode()) % 1000)
+    w = attnjit.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD", backend=BACKEND[family])
+    w.plan(*b.arrays(DEV), H_Q, H_KV, D, 16, causal=causal, q_data_type=torch.bfloat16, **kw)
+    out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
+    torch.cuda.synchronize()
+    assert [p["family"] for p in w.last_plan] == [family] * len(levels)
+    if kw.get("fixed_split_size"):
+        assert w.last_plan[0]["split_kv"]
+    ref_o, ref_lse = b.reference(causal=causal)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse)
+    plain = w.run(b.q, b.cache)  # FlashInfer's form: run(q, kv) -> out
+    assert_close(plain, ref_o, torch.bfloat16)

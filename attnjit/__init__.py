@@ -30,7 +30,7 @@ _EXPORTS = {
     "Variant": "variants", "TensorParam": "variants",
 }
 _MODULES = ("reference", "specs", "generator", "cache", "jit", "dispatch", "knobs", "errors", "toolchain", "ops",
-            "variants")
+            "variants", "families", "tuning")
 
 __all__ = sorted(_EXPORTS) + ["reference", "variants"]
 

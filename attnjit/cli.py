@@ -389,6 +389,39 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"attnjit: error: {message} (see {self.prog} --help)\n")
 
 
+def _shape(text: str) -> tuple[int, int]:
+    try:
+        batch, length = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCHxLENGTH such as 8x2048, got {text!r}") from None
+    if batch < 1 or length < 1 or batch * length > 1 << 24:
+        raise argparse.ArgumentTypeError(f"expected a positive BATCHxLENGTH of at most 2^24 tokens, got {text!r}")
+    return batch, length
+
+
+def cmd_tune(args) -> int:
+    from .tune import tune
+
+    specs = _specs(args)
+    cache = _cache(args)
+    batch, length = args.shape
+    rows = []
+    for spec in specs:
+        outcome = tune(spec, batch=batch, length=length, reps=args.reps, cache=cache,
+                       say=(lambda _m: None) if args.json else _progress)
+        rows.append({"spec": outcome.spec.short_name(), "best": outcome.best,
+                     "ms": {k: round(v, 4) for k, v in outcome.ms.items()}, "note": outcome.note})
+        if not args.json:
+            if outcome.best is None:
+                print(f"{outcome.spec.short_name()}: {outcome.note}")
+            else:
+                times = ", ".join(f"{k} {v:.4f} ms" for k, v in outcome.ms.items())
+                print(f"{outcome.spec.short_name()}: {outcome.best} ({times}); recorded in {cache.root / 'tuning'}")
+    if args.json:
+        print(json.dumps({"shape": f"{batch}x{length}", "results": rows}, separators=(",", ":")))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -449,6 +482,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated, any of {', '.join(FORMATS)} (default all)")
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root to warm into and pack from")
     p.set_defaults(fn=cmd_pack)
+
+    p = sub.add_parser("tune", help="on a GPU: time each tile configuration of the specs, record the fastest")
+    spec_args(p)
+    p.add_argument("--shape", type=_shape, default=(8, 2048), metavar="BATCHxLENGTH",
+                   help="the prefill batch to time (default 8x2048)")
+    p.add_argument("--reps", type=_jobs, default=20, help="calls per timed block (default 20)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    p.add_argument("--cache-dir", type=_cache_dir, help="cache root (its tuning/ folder gets the records)")
+    p.set_defaults(fn=cmd_tune)
 
     p = sub.add_parser("catalog", help="turn a dispatch log (ATTNJIT_LOG) into a spec catalog; list shipped ones")
     p.add_argument("action", choices=["from-log", "list"], help="from-log: a log to a catalog; list: shipped catalogs")

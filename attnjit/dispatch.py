@@ -119,18 +119,37 @@ def _torch():
     return torch
 
 
+_device_facts: dict[tuple[str, int | None], object] = {}  # (fact, device index) -> arch / SM count: plan() asks
+                                                          # every step and they never change
+
+
+def _device_index(torch, device) -> int:
+    index = torch.device(device).index if not isinstance(device, int) else device
+    return torch.cuda.current_device() if index is None else index
+
+
 def device_arch(device) -> str:
     """The nvcc arch for a CUDA device: its own (sm_90a on Hopper, else sm_XY) unless ATTNJIT_ARCH_OVERRIDE forces
-    one (``arch`` holds the rule); ATTNJIT_ARCH never overrides a present GPU."""
+    one (``arch`` holds the rule); ATTNJIT_ARCH never overrides a present GPU. The capability is asked once per
+    device (plan() and append ask every step)."""
     from .arch import runtime_arch
 
-    return runtime_arch(*_torch().cuda.get_device_capability(device))
+    torch = _torch()
+    key = ("capability", _device_index(torch, device))
+    cap = _device_facts.get(key)
+    if cap is None:
+        cap = _device_facts[key] = torch.cuda.get_device_capability(key[1])
+    return runtime_arch(*cap)
 
 
 def num_sms(device) -> int:
     torch = _torch()
     if device is not None and torch.device(device).type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        key = ("sms", _device_index(torch, device))
+        sms = _device_facts.get(key)
+        if sms is None:
+            sms = _device_facts[key] = torch.cuda.get_device_properties(key[1]).multi_processor_count
+        return sms
     return knobs.NUM_SMS.get() or 132
 
 

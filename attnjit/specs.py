@@ -39,9 +39,9 @@ _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 # that does not change its kernel, so two specs that compile to the same code are equal.
 _FIELDS_BY_OP = {
     "prefill": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "mask", "layout",
-                "kv", "group_size", "variant", "family"},
+                "kv", "group_size", "variant", "family", "tile"},
     "decode": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_q", "dtype_kv", "dtype_o", "layout", "kv",
-               "group_size", "variant", "family"},
+               "group_size", "variant", "family", "tile"},
     "merge_state": {"head_dim_vo", "dtype_o"},
     "append_kv": {"head_dim_qk", "head_dim_vo", "page_size", "dtype_kv", "layout"},
 }
@@ -88,6 +88,7 @@ class AttentionSpec:
     group_size: int | None = None      # H_q / H_kv, fused into one CTA
     variant: Variant | None = None     # custom attention (attnjit.Variant, or its "module:attribute")
     family: str | None = None          # kernel family (attnjit.families): fa2 | sm90; default from the arch
+    tile: str | None = None            # a named tile configuration of the family (attnjit tune); None: its default
     arch: str = DEFAULT_ARCH           # nvcc target, e.g. sm_90a
     head_dim: InitVar[int | None] = None
     dtype: InitVar[str | None] = None
@@ -199,6 +200,13 @@ class AttentionSpec:
                 reason = families.unsupported(self)
                 if reason is not None:
                     raise SpecError("family", self.family, reason)
+            if self.tile is not None:
+                names = families.tile_names(self)
+                if self.tile not in names:
+                    raise SpecError("tile", self.tile, f"the {self.family} family's tile configurations for this spec "
+                                    f"are {', '.join(names) or 'none (it picks its tiles per batch)'}")
+                if self.tile == names[0]:  # the default compiles to the same code as no tile: one spec for it
+                    set_("tile", None)
 
     # --- canonical form ---------------------------------------------------------------------------------
 
@@ -263,12 +271,16 @@ class AttentionSpec:
             parts.append(f"v{self.variant.name}")
         if self.family:
             parts.append(self.family)
+        if self.tile:
+            parts.append(f"t{self.tile}")
         parts.append(self.arch)
         return "-".join(str(p) for p in parts)
 
     def replace(self, **changes: Any) -> "AttentionSpec":
         """A spec with some fields changed. A defaulted family is defaulted again (the change may move it)."""
         data = self.to_dict()
+        if "family" in changes and "tile" not in changes:
+            data.pop("tile", None)  # tile configurations belong to a family
         if "family" not in changes and self.family is not None:
             from . import families
 

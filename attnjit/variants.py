@@ -106,7 +106,7 @@ class Variant:
     use_softmax; parts, the variants a composition applies in order (a plain variant's parts are itself).
     """
 
-    __slots__ = ("name", "params", "hooks", "use_softmax", "parts")
+    __slots__ = ("name", "params", "hooks", "use_softmax", "parts", "_digest")
 
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
@@ -158,7 +158,13 @@ class Variant:
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()[:16]
+        """sha256 of describe() (computed once: a variant is immutable, and plan() hashes specs every step)."""
+        try:
+            return self._digest
+        except AttributeError:
+            digest = hashlib.sha256(json.dumps(self.describe(), sort_keys=True).encode()).hexdigest()[:16]
+            object.__setattr__(self, "_digest", digest)
+            return digest
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Variant) and other.digest == self.digest
@@ -210,8 +216,24 @@ class Variant:
 _REFS: dict[int, tuple[Variant, str | None]] = {}
 
 
+_COMPOSED: dict[tuple[int, ...], tuple[tuple[Variant, ...], Variant]] = {}
+
+
 def compose(*variants: Variant) -> Variant:
-    """Several variants applied in order: logits transforms chained, masks and-ed, kv_start the largest."""
+    """Several variants applied in order: logits transforms chained, masks and-ed, kv_start the largest.
+    Memoized by the variants' identity (plan() composes FlashInfer's feature arguments every step)."""
+    key = tuple(id(v) for v in variants)
+    hit = _COMPOSED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit[0], variants)):
+        return hit[1]
+    composed = _compose(variants)
+    if len(_COMPOSED) > 256:
+        _COMPOSED.clear()
+    _COMPOSED[key] = (variants, composed)
+    return composed
+
+
+def _compose(variants: tuple[Variant, ...]) -> Variant:
     parts: list[Variant] = []
     for v in variants:
         for p in v.parts:

@@ -103,30 +103,28 @@ def bench_decode(fi, rows, results):
         torch.cuda.empty_cache()
 
 
-_ws_fi = None
+_workspaces: dict[str, torch.Tensor] = {}
+
+
+def _workspace(who: str) -> torch.Tensor:
+    """One 256 MiB workspace per library, allocated once."""
+    if who not in _workspaces:
+        _workspaces[who] = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    return _workspaces[who]
 
 
 def ws_fi():
-    global _ws_fi
-    if _ws_fi is None:
-        _ws_fi = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    return _ws_fi
+    return _workspace("flashinfer")
+
+
+def _ws():
+    return _workspace("attnjit")
 
 
 def bench_prefill(fi, rows, results, sdpa: bool = True, families=("auto", "fa2")):
     """Paged causal prefill rows (batch, length) through benchmarks/prefill.py (both families, FlashInfer, SDPA)."""
     prefill.bench_rows(fi, [prefill.Row(b, L) for b, L in rows], results, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
                        sdpa=sdpa, families=families)
-
-
-_ws_attnjit = None
-
-
-def _ws():
-    global _ws_attnjit
-    if _ws_attnjit is None:
-        _ws_attnjit = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    return _ws_attnjit
 
 
 def measure_ceilings() -> dict:
@@ -284,9 +282,12 @@ def sweep_grid(rows) -> list[dict]:
 
 def _lpt_order(work):
     """The work list in pure longest-first order over the whole batch (the order before request grouping)."""
-    from attnjit.ops.scheduler import item_cost
+    import numpy as np
 
-    work.records.sort(key=lambda rec: -item_cost(rec, cta_q=work.tile.cta_q, group=H_Q // H_KV, causal=True))
+    from attnjit.ops.scheduler import item_costs
+
+    cost = item_costs(work.records, cta_q=work.tile.cta_q, group=H_Q // H_KV, causal=True)
+    work.records = work.records[np.argsort(-cost, kind="stable")]
     return work
 
 

@@ -12,8 +12,9 @@
 #
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
 #   STAGES: all (= tests,model,bench) or a comma-separated list of smoke (each family on a few batches, under a
-#   timeout), tests, model, bench, sweep (tile variants),
-#   order (prefill work orders), profile (Nsight Compute, short prefill rows); default all
+#   timeout), tests, model, bench, sweep (tile variants), order (prefill work orders), profile (Nsight Compute,
+#   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
+#   the benchmark spec); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
@@ -35,8 +36,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|profile) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, profile; or pack)" >&2; exit 2;;
+  case $s in smoke|tests|model|bench|sweep|order|profile|tune|plan) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, profile, tune, plan; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -132,6 +133,22 @@ if has bench; then
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")
   tail -5 "$OUT/bench.err"
+fi
+
+if has tune; then   # attnjit tune on the benchmark's prefill spec: a tuning record, and the table it was chosen from
+  t=$(date +%s)
+  timeout -k 10 "${TUNE_BUDGET:-300}" python3 -m attnjit.cli tune --cache-dir "$OUT/tune-cache" --shape "${TUNE_SHAPE:-8x2048}" \
+    --spec op=prefill,head_dim=128,page_size=16,dtype=bf16,mask=causal,group_size=4 \
+    --spec op=prefill,head_dim=128,page_size=16,dtype=bf16,mask=none,group_size=4 >"$OUT/tune.txt" 2>&1
+  summary+=("tune (rc=$?, $(( $(date +%s) - t )) s): $(grep -c 'recorded in' "$OUT/tune.txt") recorded")
+  cat "$OUT/tune.txt"
+  rm -rf "$OUT/tune-cache"
+fi
+
+if has bench || has plan; then   # plan() host time, attnjit and FlashInfer, host and device metadata
+  setup_flashinfer
+  python3 benchmarks/plan_host.py --json "$OUT/plan_host.json" >"$OUT/plan_host.txt" 2>"$OUT/plan_host.err"
+  summary+=("plan host time (rc=$?): $(grep -c '"op"' "$OUT/plan_host.txt") rows in plan_host.json")
 fi
 
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side

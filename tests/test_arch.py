@@ -32,6 +32,7 @@ def test_the_gpus_own_arch_wins_at_run_time_unless_overridden(monkeypatch, cap, 
     import torch
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap)
+    monkeypatch.setattr(dispatch, "_device_facts", {})   # dispatch asks a device's capability once: a fresh memo
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert dispatch.device_arch(0) == expected

@@ -134,13 +134,15 @@ def _cuobjdump() -> str | None:
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("head_dim,page_size,dtype", [(128, 16, "bf16"), (64, 1, "fp16"), (256, 0, "bf16")])
-def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dtype):
+@pytest.mark.parametrize("head_dim,page_size,dtype,tile", [(128, 16, "bf16", None), (64, 1, "fp16", None),
+                                                       (256, 0, "bf16", None), (128, 16, "bf16", "kv64s3"),
+                                                       (128, 16, "fp16", "kv128q1")])
+def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dtype, tile):
     """The sm90 family's kernels compile for sm_90a with real nvcc; the SASS has HGMMA (wgmma) and no local memory,
     and ptxas reports no spills and no serialized wgmma."""
     kv = {"kv": "ragged"} if page_size == 0 else {"page_size": page_size}
     spec = AttentionSpec(op="prefill", head_dim=head_dim, dtype=dtype, mask="causal", group_size=4, family="sm90",
-                         arch="sm_90a", **kv)
+                         arch="sm_90a", tile=tile, **kv)
     src = tmp_path / "k.cu"
     src.write_text(render(spec).source)
     cubin = tmp_path / "k.cubin"

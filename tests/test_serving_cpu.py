@@ -50,9 +50,9 @@ def inputs():
 def test_decode_plans_requests_with_an_empty_history():
     w = BatchDecodeWithPagedKVCacheWrapper(ws())
     w.plan(i32([0, 2, 2, 5]), i32([7, 2, 3, 14, 6]), i32([2, 0, 1]), H_Q, H_KV, D, PS, q_data_type=torch.bfloat16)
-    records = {r[0]: r for r in w._plan.work.records}
+    records = {int(r[0]): [int(x) for x in r] for r in w._plan.work.records}
     assert sorted(records) == [0, 1, 2], "every request has a work item (the empty one writes zeros and -inf)"
-    assert records[1][2:4] == (0, 0) and records[1][10] == 0  # kv range [0, 0), kv length 0
+    assert records[1][2:4] == [0, 0] and records[1][10] == 0  # kv range [0, 0), kv length 0
     assert w._plan.total_q == 3
     with pytest.raises(ValueError, match=r"last_page_len\[1\]=3 but request 1 has no pages"):
         w.plan(i32([0, 2, 2, 5]), i32([7, 2, 3, 14, 6]), i32([2, 3, 1]), H_Q, H_KV, D, PS)

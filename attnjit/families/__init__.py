@@ -78,3 +78,9 @@ def dispatchable(spec: "AttentionSpec") -> list[str]:
     if getattr(FAMILIES[spec.family], "prefers", None) is not None and fa2.unsupported(spec) is None:
         out.append("fa2")  # batches the default family does not want (for_batch)
     return list(dict.fromkeys(out))
+
+
+def tile_names(spec: "AttentionSpec") -> tuple[str, ...]:
+    """The named tile configurations ``spec.tile`` may pick in its family (what ``attnjit tune`` searches)."""
+    fn = getattr(FAMILIES[spec.family], "tile_names", None)
+    return fn(spec) if fn is not None else ()

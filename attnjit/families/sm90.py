@@ -67,13 +67,30 @@ class Tile:
         return f"attnjit_sm90_{self.name}"
 
 
+# Named tile configurations (``AttentionSpec.tile``, searched by ``attnjit tune``), the default first. At head_dim
+# 256 the 64 KB Q tile leaves room for one Q stage and 64-token K/V tiles only.
+CONFIGS: dict[str, dict[str, int]] = {
+    "kv128": dict(cta_kv=128, stages=2, q_stages=2),    # 128 x 128 tiles; the next item's Q loads under this one
+    "kv128q1": dict(cta_kv=128, stages=2, q_stages=1),  # one Q tile (the v1 kernel)
+    "kv64s3": dict(cta_kv=64, stages=3, q_stages=2),    # smaller K/V tiles, one more in flight
+}
+CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q_stages=1)}
+
+
+def _configs(spec: "AttentionSpec") -> dict[str, dict[str, int]]:
+    return CONFIGS_D256 if spec.head_dim_qk == 256 else CONFIGS
+
+
+def tile_names(spec: "AttentionSpec") -> tuple[str, ...]:
+    return tuple(_configs(spec))
+
+
 @functools.lru_cache(maxsize=512)
 def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
-    d = spec.head_dim_qk
-    page_size = spec.page_size or 0
-    if d == 256:  # 64 KB of Q: one Q tile, 64-token K/V tiles
-        return (Tile(d, page_size, cta_kv=64, stages=2, q_stages=1),)
-    return (Tile(d, page_size, cta_kv=128, stages=2, q_stages=2),)
+    """The module's one kernel: ``spec.tile``'s configuration, else the default."""
+    configs = _configs(spec)
+    config = configs[spec.tile] if spec.tile is not None else next(iter(configs.values()))
+    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config),)
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,

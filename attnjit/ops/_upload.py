@@ -31,7 +31,7 @@ class MetadataBuffers:
         self.fixed_meta: torch.Tensor | None = None      # graph mode: count, records and tickets
         self.caps: tuple[int, int] | None = None         # graph mode: (work records, tickets) the buffer holds
         self.fixed_page_ids: torch.Tensor | None = None  # graph mode: the page-id buffer the kernels read
-        self.batch: int | None = None                    # graph mode: the batch size of every plan
+        self.batch: int | None = None                    # graph mode: the batch size of every plan (the first's)
 
     def check_batch(self, batch: int) -> None:
         if self.graph and self.batch is not None and batch != self.batch:
@@ -39,7 +39,7 @@ class MetadataBuffers:
                              f"{self.batch}; plan() got batch size {batch}. Use one wrapper per batch size.")
 
     def upload(self, records: np.ndarray, *, num_groups: int, num_kv_heads: int, page_ids: torch.Tensor | None,
-               used: int, batch: int, keep: list) -> dict[str, int]:
+               used: int, keep: list) -> dict[str, int]:
         """Copy a plan's metadata to the device; return the device pointer of each part.
 
         records: [W, 12] int32; num_groups x num_kv_heads tickets start at zero; page_ids: the plan's page-id tensor
@@ -65,7 +65,6 @@ class MetadataBuffers:
             dev[:head].copy_(staging[:head], non_blocking=True)
             if tickets:
                 dev[at_tickets:at_tickets + tickets].copy_(staging[head:head + tickets], non_blocking=True)
-            self.batch = batch
         else:
             dev = staging.to(self.device, non_blocking=True)
             at_tickets = head

@@ -35,7 +35,7 @@ class Binding:
 def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, list[int]]:
     """Bit-pack each request's flattened [qo_len * kv_len] bool mask (little-endian bits within a byte, each
     request padded to whole bytes, as FlashInfer's segment_packbits). Returns (bytes, byte offsets [B+1])."""
-    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.int32, device=custom_mask.device)
+    weights = _on_device([1, 2, 4, 8, 16, 32, 64, 128], torch.int32, custom_mask.device)
     chunks, indptr, pos = [], [0], 0
     flat = custom_mask.reshape(-1).to(torch.int32)
     for n in sizes:
@@ -50,6 +50,38 @@ def pack_mask_bits(custom_mask: torch.Tensor, sizes: list[int]) -> tuple[torch.T
     return packed, indptr
 
 
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small tensor plan() builds, put on the device through pinned memory (an asynchronous copy: plan() does not
+    synchronize with the device for it)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
+_SLOPES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
+    """The ALiBi slopes of num_heads heads on device (made once: the kernels only read them)."""
+    slopes = _SLOPES.get((num_heads, device))
+    if slopes is None:
+        slopes = _SLOPES[(num_heads, device)] = _on_device(V.alibi_slopes(num_heads), torch.float32, device)
+    return slopes
+
+
+_FREQS: dict[tuple[int, float, float, torch.device], torch.Tensor] = {}
+
+
+def _rope_freqs(head_dim: int, rope_scale: float, rope_theta: float, device: torch.device) -> torch.Tensor:
+    """ROPE_LLAMA's frequency table on device (made once per (head_dim, scale, theta): the kernels only read it)."""
+    key = (head_dim, rope_scale, rope_theta, device)
+    freqs = _FREQS.get(key)
+    if freqs is None:
+        if len(_FREQS) > 64:
+            _FREQS.clear()
+        freqs = _FREQS[key] = _on_device(V.rope_freqs(head_dim, rope_scale, rope_theta), torch.float32, device)
+    return freqs
+
+
 def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int | None, pos_encoding_mode: str,
          custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, qo_lens, kv_lens,
          num_qo_heads: int, device: torch.device, head_dim: int = 0, rope_scale: float = 1.0,
@@ -61,7 +93,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
     b = Binding()
     if pos_encoding_mode == "ROPE_LLAMA":
         parts.insert(0, V.ROPE_LLAMA)
-        freqs = torch.tensor(V.rope_freqs(head_dim, rope_scale, rope_theta), dtype=torch.float32, device=device)
+        freqs = _rope_freqs(head_dim, rope_scale, rope_theta, device)
         b.bound["rope_freqs"] = freqs
         b.keep.append(freqs)
     if logits_soft_cap is not None:
@@ -72,7 +104,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
         b.bound["window_left"] = window_left
     if pos_encoding_mode == "ALIBI":
         parts.append(V.ALIBI)
-        slopes = torch.tensor(V.alibi_slopes(num_qo_heads), dtype=torch.float32, device=device)
+        slopes = _alibi_slopes(num_qo_heads, device)
         b.bound["alibi_slopes"] = slopes
         b.keep.append(slopes)
     if custom_mask is not None or packed_custom_mask is not None:
@@ -102,7 +134,7 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
                 raise ValueError(f"packed_custom_mask is on {packed_custom_mask.device} but the data is on {device}")
             packed = packed_custom_mask.reshape(-1).contiguous()  # a strided view is copied: plan() may copy
         parts.append(V.CUSTOM_MASK)
-        mask_indptr = torch.tensor(indptr, dtype=torch.int32, device=device)
+        mask_indptr = _on_device(indptr, torch.int32, device)
         b.bound["packed_custom_mask"] = packed
         b.bound["mask_indptr"] = mask_indptr
         b.keep += [packed, mask_indptr]

@@ -1,8 +1,8 @@
 """FlashInfer-compatible attention wrappers: plan() on the host, run() on the GPU.
 
 plan() validates every argument before any device work (``planner``: so the same errors appear on a machine with no
-GPU), decides the tile and the split-KV schedule (``scheduler``), uploads the work list (``_upload``), and loads the
-kernel module. run() checks its tensors against the plan and launches; it compiles, loads, allocates (when given
+GPU), decides the kernel family, its tile and the split-KV schedule (``scheduler``), uploads the work list (``_upload``), and loads the
+kernel module; ``_running`` holds the plan it leaves and run()'s checks against it. run() checks its tensors against the plan and launches; it compiles, loads, allocates (when given
 ``out``) and synchronizes nothing, so it can be captured in a CUDA graph. With ``use_cuda_graph=True`` the wrapper
 keeps every buffer a kernel reads at a fixed address: a captured run() replays correctly after a new plan() with
 other lengths and page tables of the same batch size.
@@ -14,22 +14,20 @@ plan() reads on the host may be any view; page ids are made dense for the kernel
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from .. import dispatch, knobs
+from .. import dispatch, families, knobs, tuning
 from ..errors import NoGPUError
-from .. import families
-from ..generator import PARAMS, attention_layout, variant_param_name
+from ..generator import attention_layout, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
-from . import planner as P
-from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_no_overlap, check_tensor,
+from . import _handles, planner as P
+from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor,
                       check_vectors, spec_for, unpack_paged_cache, unsupported, with_family)
+from ._running import Plan, check_q_out, launch, variant_args, vector_ready
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
@@ -38,35 +36,9 @@ from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
 _LOG2E = 1.4426950408889634
 
 
-@dataclass
-class _Plan:
-    spec: AttentionSpec
-    work: WorkPlan
-    batch_size: int
-    total_q: int
-    num_qo_heads: int
-    num_kv_heads: int
-    head_dim: int
-    page_size: int | None
-    q_dtype: torch.dtype
-    kv_dtype: torch.dtype
-    o_dtype: torch.dtype
-    max_page: int                   # largest page id used (-1: none), checked against the cache in run()
-    total_kv: int                   # ragged: kv_indptr[-1]
-    on_gpu: bool
-    q_shape: Any = None             # torch.Size([total_q, H_q, D]): what run() expects of q and out
-    binding: Binding = field(default_factory=Binding)  # the variant and the parameters plan() fixed
-    variant_slots: list = field(default_factory=list)   # (name, struct index, kind) of run()-time parameters
-    layout: Any = None              # the kernel's ParamLayout (PARAMS["attention"] plus the variant's fields)
-    variant_sizes: dict = field(default_factory=dict)   # per -> length, for run()'s tensor-parameter checks
-    attn: Any = None                # dispatch.Launch
-    attn_values: list = field(default_factory=list)
-    keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
-    settings: dict = field(default_factory=dict)  # what plan() fixed, by FlashInfer's names (compat.plan_settings)
-    extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
-
-    def decision(self) -> dict:
-        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
+def _schedule(batch: P.Batch, sched: dict) -> WorkPlan:
+    return plan_work(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
+                     kv_bases=batch.kv_bases, **sched)
 
 
 def _arch_for(device: torch.device) -> str:
@@ -75,22 +47,21 @@ def _arch_for(device: torch.device) -> str:
     return knobs.ARCH.get() or DEFAULT_ARCH
 
 
-def vector_ready(t: torch.Tensor) -> bool:
-    """[N, H, D] with a 16-byte aligned start and token/head strides (2-byte elements), last dim contiguous."""
-    return (t.data_ptr() % 16 == 0 and t.stride(2) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
-            and (t.shape[1] <= 1 or t.stride(1) % 8 == 0))
-
-
 class _AttentionWrapper(FlashInferAliases):
     """State shared by the three batch wrappers: workspace, layout, CUDA-graph buffers, the current plan."""
 
     _op = "prefill"
 
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto"):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto",
+                 tile: str | None = None):
         check_tensor("float_workspace_buffer", float_workspace_buffer)
         self._family = families.for_backend(backend)  # None: each plan's default (families.for_batch)
         self._backend = backend
+        if tile is not None and not isinstance(tile, str):
+            raise TypeError(f"tile must be the name of a tile configuration (str) or None, got {type(tile).__name__}")
+        self._tile = tile       # a forced tile configuration (attnjit tune); None: the tuning record's, or the default
+        self._tuned: dict = {}  # spec -> the spec plan() runs (its tuned tile), per wrapper
         if isinstance(variant, str):
             variant = resolve_variant(variant)
         if variant is not None and not isinstance(variant, Variant):
@@ -115,12 +86,14 @@ class _AttentionWrapper(FlashInferAliases):
         self._kv_layout = check_layout(kv_layout)
         self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
         self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._graph_grid: int | None = None  # fixed attention grid.x
         self._graph_spec: AttentionSpec | None = None
         self._graph_tile = None  # the family's tile of the first plan
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
+        self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
+        self._handle = _handles.register(self)            # how torch.ops.attnjit.batch_run names this wrapper
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -174,6 +147,7 @@ class _AttentionWrapper(FlashInferAliases):
                                     backend=self._backend)
         if family != spec.family:
             spec = with_family(spec, family)
+        spec = self._with_tile(spec)
         if self._use_cuda_graph:
             self._check_graph_plan(spec, batch, page_ids)
 
@@ -190,18 +164,18 @@ class _AttentionWrapper(FlashInferAliases):
         kernel, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
         slot_bytes = num_qo_heads * (head_dim + 1) * 4
         max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
-        work = plan_work(qo_lens=qo_lens.tolist(), kv_lens=batch.kv_lens.tolist(),
-                         qo_offsets=batch.qo_indptr[:-1].tolist(), kv_bases=batch.kv_bases.tolist(), group=group,
-                         tile=tile, causal=spec.mask == "causal", num_kv_heads=num_kv_heads, slots=sms * per_sm,
-                         max_slots=max_slots, allow_split=not disable_split_kv, fixed_chunk=opts.fixed_split_size)
+        sched = dict(group=group, tile=tile, causal=spec.mask == "causal", num_kv_heads=num_kv_heads,
+                     slots=sms * per_sm, max_slots=max_slots, allow_split=not disable_split_kv,
+                     fixed_chunk=opts.fixed_split_size)
+        work = _schedule(batch, sched)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
-        plan = _Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
+        plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
                      kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=batch.max_page, total_kv=batch.total_kv,
                      on_gpu=on_gpu, q_shape=torch.Size((total_q, num_qo_heads, head_dim)), binding=binding,
                      variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
-                                    "request+1": size + 1, "qo_token": total_q})
+                                    "request+1": size + 1, "qo_token": total_q}, sched=sched)
         plan.keep += binding.keep
         plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
         plan.extra = self._decision_extra()
@@ -209,15 +183,32 @@ class _AttentionWrapper(FlashInferAliases):
         kinds = binding.kinds()
         plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
         if on_gpu:
-            records = np.asarray(work.records, dtype=np.int32).reshape(-1, 12)
-            ptr = self._meta.upload(records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
-                                    page_ids=page_ids, used=batch.num_page_ids, batch=size, keep=plan.keep)
+            ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
+                                    page_ids=page_ids, used=batch.num_page_ids, keep=plan.keep)
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
         self._prepare_launch(plan, kernel, ptr, opts.sm_scale, max_slots, per_sm * sms)
         if self._use_cuda_graph and self._graph_spec is None:
-            self._graph_spec, self._graph_tile = spec, tile
+            self._graph_spec, self._graph_tile, self._meta.batch = spec, tile, size
         self._plan = plan
+
+    def _with_tile(self, spec: AttentionSpec) -> AttentionSpec:
+        """The spec with the wrapper's forced tile, else the tuning record's for this GPU (attnjit tune), else as is."""
+        out = self._tuned.get(spec)
+        if out is None:
+            out = spec
+            if self._tile is not None:
+                try:
+                    out = spec.replace(tile=self._tile)
+                except ValueError as exc:
+                    raise ValueError(f"tile={self._tile!r}: {exc}") from None
+            elif families.tile_names(spec):
+                gpu = tuning.gpu_id(spec.arch, dispatch.num_sms(self._device if self._device.type == "cuda" else None))
+                tuned = tuning.best_tile(spec, gpu)
+                if tuned is not None:
+                    out = spec.replace(tile=tuned)
+            self._tuned[spec] = out
+        return out
 
     def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch, page_ids: torch.Tensor | None) -> None:
         """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
@@ -236,7 +227,7 @@ class _AttentionWrapper(FlashInferAliases):
         kernel = dispatch.module(spec, self._device).kernels[tile.kernel]
         return kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device)
 
-    def _prepare_launch(self, plan: _Plan, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
+    def _prepare_launch(self, plan: Plan, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
                         slots: int) -> None:
         work = plan.work
         d, hq = plan.head_dim, plan.num_qo_heads
@@ -250,8 +241,12 @@ class _AttentionWrapper(FlashInferAliases):
             grid_x = min(work.num_items * plan.num_kv_heads, slots)
         else:
             grid_x = work.num_items * plan.num_kv_heads
-        if kernel is not None:
-            plan.attn = dispatch.Launch(self._op, kernel, (grid_x, 1, 1), plan=plan.decision())
+        if kernel is not None:  # one Launch per kernel and wrapper, re-aimed by each plan (it copies nothing)
+            launch = self._launches.get(kernel.ptr)
+            if launch is None or launch.kernel is not kernel:
+                launch = self._launches[kernel.ptr] = dispatch.Launch(self._op, kernel, (grid_x, 1, 1))
+            launch.grid, launch.plan = (grid_x, 1, 1), plan.decision()
+            plan.attn = launch
         binding = plan.binding
         kinds = binding.kinds()
         fixed = {variant_param_name(n): check_value(binding.variant, n, kinds[n], v, device=self._device,
@@ -269,7 +264,7 @@ class _AttentionWrapper(FlashInferAliases):
 
     # --- run ----------------------------------------------------------------------------------------------
 
-    def _current_plan(self, variant_params: dict[str, Any] | None, return_lse: Any, lse) -> _Plan:
+    def _current_plan(self, variant_params: dict[str, Any] | None, return_lse: Any, lse) -> Plan:
         """The plan run() executes, its variant parameters checked and put in the parameter struct."""
         plan = self._plan
         if plan is None:
@@ -278,87 +273,33 @@ class _AttentionWrapper(FlashInferAliases):
             raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
         want_lse = return_lse or lse is not None
         if variant_params or plan.variant_slots or (want_lse and plan.binding.variant is not None):
-            self._variant_args(plan, variant_params or {}, want_lse)
+            variant_args(plan, self._device, variant_params or {}, want_lse)
         return plan
 
-    def _require_gpu(self, plan: _Plan) -> None:
+    def _run_compiled(self, q, k, v, out, lse, return_lse: bool, variant_params: dict):
+        """run() while torch.compile traces: the torch.ops.attnjit op that runs this wrapper's plan (ops/library.py).
+        Reads nothing of the plan here, so a new plan() does not make torch.compile recompile."""
+        if variant_params:
+            raise NotImplementedError(f"run-time variant parameters ({sorted(variant_params)}) are not supported "
+                                      "inside torch.compile; bind the values at plan() (a built-in option) or run "
+                                      "eagerly")
+        if out is None:
+            out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None)
+            if lse is not None:
+                lse.copy_(lse_)
+            else:
+                lse = lse_
+        else:
+            if lse is None and return_lse:
+                lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+            torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _require_gpu(self, plan: Plan) -> None:
         """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""
         if not plan.on_gpu:
             raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
                              "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
-
-    def _check_q_out(self, plan: _Plan, q: torch.Tensor, out, lse, return_lse: bool):
-        """Check q/out/lse against the plan (allocating out/lse when not given); returns them with q/out strides."""
-        shape, dev = plan.q_shape, self._device
-        qs = q.stride() if isinstance(q, torch.Tensor) else None
-        if qs is None or q.dtype != plan.q_dtype or q.shape != shape or qs[2] != 1 or q.device != dev:
-            check_tensor("q", q)
-            raise ValueError(f"run(): q must be {plan.q_dtype} {list(shape)} on {dev} with a contiguous last "
-                             f"dim, as planned; got {q.dtype} {list(q.shape)} on {q.device} strides {q.stride()}. "
-                             "Call plan() again for a new batch.")
-        if not vector_ready(q):
-            check_vectors("q", q, (0, 1))
-        if out is None:
-            out = torch.empty(shape, dtype=plan.o_dtype, device=dev)
-        os_ = out.stride() if isinstance(out, torch.Tensor) else None
-        if os_ is None or out.dtype != plan.o_dtype or out.shape != shape or os_[2] != 1 or out.device != dev:
-            check_tensor("out", out)
-            raise ValueError(f"run(): out must be {plan.o_dtype} {list(shape)} on {dev} with a contiguous "
-                             f"last dim; got {out.dtype} {list(out.shape)} on {out.device}")
-        if not out.is_contiguous():
-            check_vectors("out", out, (0, 1))
-            check_no_overlap("out", out)
-        elif out.data_ptr() % 16:
-            check_vectors("out", out, (0, 1))
-        if lse is None and return_lse:
-            lse = torch.empty(shape[:2], dtype=torch.float32, device=dev)
-        elif lse is not None:
-            if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != shape[:2] \
-                    or lse.device != dev or not lse.is_contiguous():
-                check_tensor("lse", lse)
-                raise ValueError(f"run(): lse must be a contiguous float32 {list(shape[:2])} tensor on "
-                                 f"{dev} (the kernel writes it as a dense array); got {lse.dtype} {list(lse.shape)} "
-                                 f"strides {lse.stride()}")
-        return out, lse, qs, os_
-
-    def _variant_args(self, plan: _Plan, kwargs: dict[str, Any], return_lse: bool) -> None:
-        """Check run()'s variant parameters against the plan's variant and put them in the parameter struct."""
-        variant = plan.binding.variant
-        if variant is None:
-            if kwargs:
-                raise TypeError(f"run() got unexpected keyword argument(s) {sorted(kwargs)}; this wrapper has no "
-                                "variant (pass variant= to the constructor)")
-            return
-        if return_lse and not variant.use_softmax:
-            raise ValueError(f"variant {variant.name!r} has use_softmax=False: its output has no log-sum-exp; call "
-                             "run() without return_lse/lse")
-        extra = sorted(set(kwargs) - {n for n, _, _ in plan.variant_slots})
-        if extra:
-            raise TypeError(f"run(): variant {variant.name!r} has no parameter {extra[0]!r}; it takes "
-                            f"{[n for n, _, _ in plan.variant_slots] or 'none at run time'}")
-        for name, index, kind in plan.variant_slots:
-            if name not in kwargs:
-                raise TypeError(f"run(): variant {variant.name!r} needs parameter {name!r} "
-                                f"({getattr(kind, '__name__', None) or kind.describe()})")
-            value = check_value(variant, name, kind, kwargs[name], device=self._device, sizes=plan.variant_sizes)
-            plan.attn_values[index] = value
-
-    def _launch(self, plan: _Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out,
-                os_, lse) -> None:
-        vals = plan.attn_values
-        vals[0], vals[1], vals[2], vals[3] = q.data_ptr(), k_ptr, v_ptr, out.data_ptr()
-        vals[4] = lse.data_ptr() if lse is not None else 0
-        vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = qs[0], qs[1], os_[0], os_[1]
-        vals[_KV0], vals[_KV1] = stride0, stride1
-        plan.attn(vals)
-
-
-# positions in PARAMS["attention"] that _launch fills per run()
-_A = PARAMS["attention"].index
-assert (_A["q"], _A["k"], _A["v"], _A["o"], _A["lse"]) == (0, 1, 2, 3, 4)
-_QSN, _QSH, _OSN, _OSH = _A["q_stride_n"], _A["q_stride_h"], _A["o_stride_n"], _A["o_stride_h"]
-_KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
-
 
 class _PagedMixin:
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
@@ -370,17 +311,25 @@ class _PagedMixin:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
         if q_scale is not None or k_scale is not None or v_scale is not None:
             unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
-        plan = self._current_plan(with_sinks(self._plan, variant_params, sinks), return_lse, lse)
+        variant_params = with_sinks(self._plan, variant_params, sinks)
+        if torch.compiler.is_compiling():
+            if window_left is not None:
+                raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
+            k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
+        plan = self._current_plan(variant_params, return_lse, lse)
         if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
-        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         self._require_gpu(plan)
-        self._launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
+        launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
         return (out, lse) if return_lse else out
 
-    def _check_cache(self, plan: _Plan, paged_kv_cache) -> PagedCache:
+    _op_kind = "paged"
+
+    def _check_cache(self, plan: Plan, paged_kv_cache) -> PagedCache:
         memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
         if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan:
             return memo[2]
@@ -400,11 +349,27 @@ class _PagedMixin:
             self._cache_memo = (paged_kv_cache, plan, cache)
         return cache
 
-    def _plan_paged(self, *, qo: np.ndarray, names: tuple[str, str, str], indptr, indices, last_page_len,
+    def _read_paged(self, names: tuple[str, str, str], qo_indptr, indptr, indices, last_page_len,
                     page_size: int) -> P.Batch:
-        batch = P.read_paged(names, indptr, indices, last_page_len, page_size=page_size, batch=len(qo) - 1,
-                             device=self._device)
-        return dataclasses.replace(batch, qo_indptr=qo)
+        """Check and read a page table (qo_indptr None: decode, one query row per request)."""
+        dev = self._device
+        n_indptr, n_indices, n_last = names
+        if qo_indptr is None:  # decode: the batch size is the page table's
+            P.check_meta(n_indptr, indptr, dev)
+            if indptr.numel() < 1:
+                raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
+            P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
+            P.check_meta(n_indices, indices, dev)
+            kvp, last = P.to_host(indptr, last_page_len)
+            qo = np.arange(indptr.numel(), dtype=np.int64)
+        else:  # qo_indptr is read (and checked) first: it says how long the others must be
+            for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices), (n_last, last_page_len)):
+                P.check_meta(name, t, dev)
+            qo_h, kvp, last = P.to_host(qo_indptr, indptr, last_page_len)
+            qo = P.read_qo_indptr("qo_indptr", qo_h)
+            P.check_meta(n_indptr, indptr, dev, len(qo))
+            P.check_meta(n_last, last_page_len, dev, len(qo) - 1)
+        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size)
 
 
 _PAGED_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")
@@ -420,9 +385,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  paged_kv_indices_buf: torch.Tensor | None = None,
                  paged_kv_last_page_len_buf: torch.Tensor | None = None, custom_mask_buf=None, mask_indptr_buf=None,
                  backend: str = "auto", jit_args=None, jit_kwargs=None, *, max_work_items: int | None = None,
-                 variant: Variant | str | None = None):
+                 variant: Variant | str | None = None, tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
@@ -435,6 +400,23 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              sinks: bool = False, **unused: Any) -> None:
+        """Plan a batch of prefill/append/mixed requests over a paged KV cache.
+
+        qo_indptr: [B+1] int32, request i's query rows are qo_indptr[i]:qo_indptr[i+1] of q. paged_kv_indptr: [B+1]
+        int32 offsets into paged_kv_indices. paged_kv_indices: [*] int32 page ids in logical order.
+        paged_kv_last_page_len: [B] int32 in 1..page_size (0 for a request with no pages). KV length of request i = page_size * (pages - 1) + last,
+        including the new tokens. causal is bottom-right aligned (query row t of Q sees key j iff j <= K - Q + t).
+        logits_soft_cap, window_left, pos_encoding_mode="ALIBI" or "ROPE_LLAMA" (rope_scale, rope_theta),
+        custom_mask / packed_custom_mask are built-in variants (FlashInfer's semantics); sm_scale defaults to
+        1/sqrt(head_dim). sinks=True adds an attention sink whose values run() takes (``sinks=``; ops/sinks.py).
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
@@ -444,14 +426,13 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                               non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-        qo = P.read_qo_indptr("qo_indptr", qo_indptr, self._device)
-        batch = self._plan_paged(qo=qo, names=_PAGED_NAMES, indptr=paged_kv_indptr, indices=paged_kv_indices,
-                                 last_page_len=paged_kv_last_page_len, page_size=page_size)
+        batch = self._read_paged(_PAGED_NAMES, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                 page_size)
         binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
                              sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
-            P.check_causal("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len", qo, batch.kv_lens)
+            P.check_causal("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len", batch)
         q_dtype, kv_dtype, o_dtype = dtypes
         spec = spec_for(op="prefill", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                         dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
@@ -470,9 +451,10 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None,
                  paged_kv_last_page_len_buffer: torch.Tensor | None = None, backend: str = "auto", jit_args=None,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None,
+                 tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         self._use_tensor_cores = P.as_flag("use_tensor_cores", use_tensor_cores)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
@@ -493,24 +475,32 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
              block_tables=None, seq_lens=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              o_data_type=None, sinks: bool = False, **unused: Any) -> None:
+        """Plan a decode batch (one query row per request) over a paged KV cache.
+
+        indptr: [B+1] int32 offsets into indices. indices: [*] int32 page ids in logical order. last_page_len: [B]
+        int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long
+        histories are split across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(block_tables=block_tables, seq_lens=seq_lens, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim", head_dim)
         page_size = P.plan_page_size(page_size)
         if data_type is not None and kv_data_type is None:  # FlashInfer's older name for the KV (and q) type
-            kv_data_type = data_type
-        dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
+            dtypes = P.plan_dtypes(q_data_type, data_type, o_data_type, kv_name="data_type")
+        else:
+            dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                               non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-        check_metadata("indptr", indptr, self._device, host_ok=True)
-        if indptr.numel() < 1:
-            raise ValueError("indptr must have batch_size + 1 >= 1 elements, got an empty tensor")
-        size = indptr.numel() - 1
-        batch = self._plan_paged(qo=np.arange(size + 1, dtype=np.int64), names=("indptr", "indices", "last_page_len"),
-                                 indptr=indptr, indices=indices, last_page_len=last_page_len, page_size=page_size)
-        # a request with an empty KV history (no pages) is allowed, as in FlashInfer: its rows are 0, lse -inf
+        batch = self._read_decode(indptr, indices, last_page_len, page_size)
         binding = self._bind(batch, num_qo_heads, opts, head_dim=head_dim, sinks=sinks)
         q_dtype, kv_dtype, o_dtype = dtypes
         spec = spec_for(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
@@ -518,6 +508,39 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                         group_size=group, variant=binding.variant, arch=_arch_for(self._device))
         self._finish_plan(spec=spec, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
                           dtypes=dtypes, opts=opts, page_ids=indices, binding=binding)
+
+
+    def _read_decode(self, indptr, indices, last_page_len, page_size: int) -> P.Batch:
+        # a request with an empty KV history (no pages) is allowed, as in FlashInfer: its rows are 0, lse -inf
+        return self._read_paged(_DECODE_NAMES, None, indptr, indices, last_page_len, page_size)
+
+    def fast_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
+        """Graph mode: re-plan the last plan() for new lengths and page tables of the same batch size.
+
+        Only what a decode step changes is read again: the page table is checked as plan() checks it (page ids
+        against the cache the last run() read, since a replay does not pass through run()), the work list is
+        rescheduled and it and the page ids are rewritten in the fixed buffers the captured graph reads. The heads,
+        dtypes, options and kernel of the last plan() stay (call plan() to change those). With host metadata it
+        neither allocates on the device nor synchronizes.
+        """
+        plan = self._plan
+        if not self._use_cuda_graph:
+            raise ValueError("fast_plan() rewrites the fixed buffers of a use_cuda_graph=True wrapper; this wrapper "
+                             "has none: call plan()")
+        if plan is None:
+            raise RuntimeError("fast_plan() called before plan(): it keeps that plan's heads, dtypes and options")
+        batch = self._read_decode(indptr, indices, last_page_len, plan.page_size)
+        self._check_graph_plan(plan.spec, batch, indices)
+        work = _schedule(batch, plan.sched)
+        if plan.on_gpu:
+            self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=plan.num_kv_heads,
+                              page_ids=indices, used=batch.num_page_ids, keep=[])
+        plan.work, plan.max_page = work, batch.max_page
+        if plan.attn is not None:
+            plan.attn.plan = plan.decision()
+
+
+_DECODE_NAMES = ("indptr", "indices", "last_page_len")
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
@@ -528,11 +551,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf: torch.Tensor | None = None, kv_indptr_buf: torch.Tensor | None = None,
                  custom_mask_buf=None, mask_indptr_buf=None, backend: str = "auto", jit_args=None, jit_kwargs=None,
-                 *, max_work_items: int | None = None, variant: Variant | str | None = None):
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None,
+                 tile: str | None = None):
         if kv_layout != "NHD":
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
-                         variant=variant, backend=backend)
+                         variant=variant, backend=backend, tile=tile)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 
@@ -543,6 +567,18 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
              sinks: bool = False, **unused: Any) -> None:
+        """Plan a batch of prefill requests whose K/V are contiguous rows of ragged [nnz_kv, H_kv, D] tensors.
+
+        qo_indptr: [B+1] int32 (query rows per request), kv_indptr: [B+1] int32 (key rows per request, including
+        the new tokens). causal, variants and sm_scale as for the paged prefill wrapper.
+        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
+        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
+        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
+        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
+        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
+        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
+        captured around run() replays the new plan.
+        """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
@@ -551,14 +587,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                               non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-        qo = P.read_qo_indptr("qo_indptr", qo_indptr, self._device)
-        batch = dataclasses.replace(P.read_ragged("kv_indptr", kv_indptr, batch=len(qo) - 1, device=self._device),
-                                    qo_indptr=qo)
+        P.check_meta("qo_indptr", qo_indptr, self._device)
+        P.check_meta("kv_indptr", kv_indptr, self._device)
+        qo_h, kv_h = P.to_host(qo_indptr, kv_indptr)
+        qo = P.read_qo_indptr("qo_indptr", qo_h)
+        P.check_meta("kv_indptr", kv_indptr, self._device, len(qo))
+        batch = P.read_ragged("kv_indptr", qo, kv_h)
         binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
                              sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
-            P.check_causal("qo_indptr", "kv_indptr", qo, batch.kv_lens)
+            P.check_causal("qo_indptr", "kv_indptr", batch)
         q_dtype, kv_dtype, o_dtype = dtypes
         spec = spec_for(op="prefill", head_dim=head_dim, dtype_q=SPEC_DTYPE[q_dtype], dtype_kv=SPEC_DTYPE[kv_dtype],
                         dtype_o=SPEC_DTYPE[o_dtype], mask="causal" if causal else "none", kv="ragged",
@@ -572,7 +611,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         wrapper's variant takes its parameters here by name."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
-        plan = self._current_plan(with_sinks(self._plan, variant_params, sinks), return_lse, lse)
+        variant_params = with_sinks(self._plan, variant_params, sinks)
+        if torch.compiler.is_compiling():
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
+        plan = self._current_plan(variant_params, return_lse, lse)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtype=plan.kv_dtype, dim=3, device=self._device)
             if t.shape[0] < plan.total_kv or t.shape[1] != plan.num_kv_heads or t.shape[2] != plan.head_dim \
@@ -583,7 +625,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                 check_vectors(name, t, (0, 1))
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
-        out, lse, qs, os_ = self._check_q_out(plan, q, out, lse, return_lse)
+        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         self._require_gpu(plan)
-        self._launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
+        launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
         return (out, lse) if return_lse else out
+
+    _op_kind = "ragged"

@@ -1,7 +1,8 @@
 """merge_state, merge_state_in_place, merge_states: combine attention states over disjoint key sets (base-2 lse).
 
 The kernels take every tensor's strides, so any view is read right, with two rules: v tensors move 16 bytes at a
-time (16-byte aligned start and token/state/head strides), and a tensor written in place has distinct elements."""
+time (16-byte aligned start and token/state/head strides), and a tensor written in place has distinct elements.
+Inside torch.compile each call is its torch.ops.attnjit op (ops/library.py); the *_eager functions are the bodies."""
 
 from __future__ import annotations
 
@@ -56,6 +57,12 @@ def _check_pair(names: tuple[str, str, str, str], v_a, s_a, v_b, s_b) -> None:
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
                 s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.ops.attnjit.merge_state(v_a, s_a, v_b, s_b))
+    return merge_state_eager(v_a, s_a, v_b, s_b)
+
+
+def merge_state_eager(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
     _check_pair(("v_a", "s_a", "v_b", "s_b"), v_a, s_a, v_b, s_b)
     require_cuda("merge_state", "v_a", v_a)
     v = torch.empty_like(v_a, memory_format=torch.contiguous_format)
@@ -67,6 +74,13 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
 def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                          mask: torch.Tensor | None = None) -> None:
     """(v, s) <- merge((v, s), (v_other, s_other)) for rows where mask (bool [seq], default all) is true."""
+    if torch.compiler.is_compiling():
+        torch.ops.attnjit.merge_state_in_place(v, s, v_other, s_other, mask)
+        return
+    merge_state_in_place_eager(v, s, v_other, s_other, mask)
+
+
+def merge_state_in_place_eager(v, s, v_other, s_other, mask=None) -> None:
     _check_pair(("v", "s", "v_other", "s_other"), v, s, v_other, s_other)
     if mask is not None:
         check_tensor("mask", mask, dtype=torch.bool, dim=1, device=v.device)
@@ -95,6 +109,12 @@ def _merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [seq, num_states, H, D], s: [seq, num_states, H] float32 -> (v [seq, H, D], s [seq, H])."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.ops.attnjit.merge_states(v, s))
+    return merge_states_eager(v, s)
+
+
+def merge_states_eager(v, s) -> tuple[torch.Tensor, torch.Tensor]:
     _check_v("v", v, 4)
     check_tensor("s", s, dtype=torch.float32, dim=3, device=v.device)
     if tuple(s.shape) != tuple(v.shape[:3]):

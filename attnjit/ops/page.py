@@ -42,6 +42,21 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
                           positions: torch.Tensor, paged_kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_last_page_len: torch.Tensor, kv_layout: str = "NHD", *, check: bool = False) -> None:
+    """Write append_key/append_value [nnz, H_kv, D] into the pages of their requests (append_paged_kv_cache_eager
+    describes the rules; inside torch.compile this is torch.ops.attnjit.append_paged_kv_cache)."""
+    if torch.compiler.is_compiling():
+        k_cache, v_cache = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+        torch.ops.attnjit.append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache,
+                                                kv_indices, kv_indptr, kv_last_page_len, kv_layout, check)
+        return
+    append_paged_kv_cache_eager(append_key, append_value, batch_indices, positions, paged_kv_cache, kv_indices,
+                                kv_indptr, kv_last_page_len, kv_layout, check=check)
+
+
+def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: torch.Tensor,
+                                positions: torch.Tensor, paged_kv_cache, kv_indices: torch.Tensor,
+                                kv_indptr: torch.Tensor, kv_last_page_len: torch.Tensor, kv_layout: str = "NHD", *,
+                                check: bool = False) -> None:
     """Write append_key/append_value [nnz, H_kv, D] into the pages of their requests.
 
     Token i goes to request batch_indices[i] at position positions[i]: page kv_indices[kv_indptr[b] + pos //

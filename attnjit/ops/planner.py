@@ -102,16 +102,17 @@ def plan_page_size(value: Any) -> int:
     return check_page_size(as_int("page_size", value))
 
 
-def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any, *,
+                kv_name: str = "kv_data_type") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
     q = as_dtype(q_data_type, "q_data_type")
-    kv = as_dtype(kv_data_type, "kv_data_type") if kv_data_type is not None else q
+    kv = as_dtype(kv_data_type, kv_name) if kv_data_type is not None else q
     o = as_dtype(o_data_type, "o_data_type") if o_data_type is not None else q
     if kv != q:
-        raise ValueError(f"kv_data_type={kv} must equal q_data_type={q} (mixed q/kv types are not supported yet)")
+        raise ValueError(f"{kv_name}={kv} must equal q_data_type={q} (mixed q/kv types are not supported yet)")
     return q, kv, o
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PlanOptions:
     """plan()'s scalar options, checked: what the binding, the scheduler and the launch use."""
 
@@ -176,12 +177,20 @@ def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = 
 
 
 # --- metadata ----------------------------------------------------------------------------------------------
+#
+# Each rule has a fast "all fine?" test, on Python lists for small batches (a numpy call costs about a microsecond,
+# more than a short loop) and on numpy arrays for large ones, and one _explain_* function that finds the first
+# request breaking it and raises the error: the rule's only statement of what went wrong.
 
-@dataclass(frozen=True)
+SMALL = 16  # requests: up to this many, plain Python over lists is cheaper than numpy
+
+
+@dataclass(slots=True)
 class Batch:
     """A plan's requests, read from its metadata (numpy int64; B requests)."""
 
     qo_indptr: np.ndarray   # [B+1] query rows
+    qo_lens: np.ndarray     # [B]
     kv_lens: np.ndarray     # [B] keys per request (paged: page_size * (pages - 1) + last_page_len)
     kv_bases: np.ndarray    # [B] first page-table entry (paged) or first KV row (ragged) of each request
     max_page: int = -1      # largest page id the plan uses (-1: none); run() checks it against the cache
@@ -193,112 +202,167 @@ class Batch:
         return len(self.kv_lens)
 
     @property
-    def qo_lens(self) -> np.ndarray:
-        return np.diff(self.qo_indptr)
-
-    @property
     def total_q(self) -> int:
         return int(self.qo_indptr[-1])
 
 
-def host_values(name: str, t: Any, device: torch.device, length: int | None = None) -> np.ndarray:
-    """A 1-D int32 metadata tensor on the host or on ``device`` -> its values (int64; strided views read right)."""
-    check_metadata(name, t, device, length, host_ok=True)
-    if t.device.type == "cpu":
-        return t.numpy().astype(np.int64)
-    return t.cpu().numpy().astype(np.int64)  # device metadata: one device-to-host copy (it synchronizes)
+def check_meta(name: str, t: Any, device: torch.device, length: int | None = None) -> torch.Tensor:
+    """plan() metadata: int32, 1-D, on the host or on ``device``, ``length`` elements when given."""
+    if (type(t) is torch.Tensor and t.dtype is torch.int32 and t.dim() == 1 and (t.is_cpu or t.device == device)
+            and (length is None or t.numel() == length)):
+        return t    # the common case, without building the messages' arguments
+    return check_metadata(name, t, device, length, host_ok=True)
 
 
-def check_indptr(name: str, values: np.ndarray, what: str = "entries") -> None:
-    """indptr[0] == 0, non-decreasing, indptr[-1] <= INT32_MAX (it is int32 already)."""
-    if values.size == 0 or values[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(values[0]) if values.size else 'an empty tensor'}")
-    drops = np.flatnonzero(values[1:] < values[:-1])
-    if drops.size:
-        i = int(drops[0])
-        raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={int(values[i + 1])} < {name}[{i}]="
-                         f"{int(values[i])} (request {i})")
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Checked metadata -> host tensors: CPU ones as they are, device ones in one device-to-host copy (the one
+    synchronization plan() makes for device metadata)."""
+    on_device = [t for t in tensors if t.device.type != "cpu"]
+    if not on_device:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1) for t in on_device]).cpu()
+    parts = iter(torch.split(flat, [t.numel() for t in on_device]))
+    return [t if t.device.type == "cpu" else next(parts) for t in tensors]
 
 
-def read_qo_indptr(name: str, t: Any, device: torch.device) -> np.ndarray:
-    qo = host_values(name, t, device)
-    if qo.size < 1:
+def _explain_indptr(name: str, v: list[int]) -> None:
+    if not v or v[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {v[0] if v else 'an empty tensor'}")
+    for i in range(len(v) - 1):
+        if v[i + 1] < v[i]:
+            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={v[i + 1]} < {name}[{i}]={v[i]} "
+                             f"(request {i})")
+
+
+def check_indptr(name: str, values) -> None:
+    """indptr[0] == 0 and non-decreasing (a list or a numpy array)."""
+    if isinstance(values, np.ndarray):
+        ok = values.size > 0 and values[0] == 0 and not (values[1:] < values[:-1]).any()
+    else:
+        ok = bool(values) and values[0] == 0 and all(a <= b for a, b in zip(values, values[1:]))
+    if not ok:
+        _explain_indptr(name, values.tolist() if isinstance(values, np.ndarray) else list(values))
+
+
+def _values(t: torch.Tensor):
+    """A host int32 tensor's values: a list (small) or an int64 array (strided views read right either way)."""
+    return t.tolist() if t.numel() <= SMALL + 1 else t.numpy().astype(np.int64)
+
+
+def _array(v) -> np.ndarray:
+    return v if isinstance(v, np.ndarray) else np.array(v, dtype=np.int64)
+
+
+def read_qo_indptr(name: str, t: torch.Tensor) -> np.ndarray:
+    """A host qo_indptr (checked by check_meta) -> its values."""
+    if t.numel() < 1:
         raise ValueError(f"{name} must have batch_size + 1 >= 1 elements, got an empty tensor")
+    qo = _values(t)
     check_indptr(name, qo)
     if qo[-1] > MAX_QO_ROWS:
         raise ValueError(f"{name}[-1]={int(qo[-1])} query rows is more than one plan takes ({MAX_QO_ROWS}); plan "
                          "the batch in parts")
-    return qo
+    return _array(qo)
 
 
-def _check_kv_lens(name: str, kv_lens: np.ndarray) -> None:
-    over = np.flatnonzero(kv_lens > MAX_KV_LEN)
-    if over.size:
-        i = int(over[0])
-        raise ValueError(f"{name}: request {i} has a KV length of {int(kv_lens[i])}, more than the {MAX_KV_LEN} "
-                         "tokens a request may have (the kernels index tokens with int32)")
+def _explain_kv_lens(name: str, kv_lens: list[int]) -> None:
+    i = next(i for i, k in enumerate(kv_lens) if k > MAX_KV_LEN)
+    raise ValueError(f"{name}: request {i} has a KV length of {kv_lens[i]}, more than the {MAX_KV_LEN} tokens a "
+                     "request may have (the kernels index tokens with int32)")
 
 
-def read_paged(names: tuple[str, str, str], indptr: Any, indices: Any, last_page_len: Any, *, page_size: int,
-               batch: int, device: torch.device) -> Batch:
-    """Validate a page table (indptr [B+1], indices, last_page_len [B]) -> its Batch (qo_indptr left empty)."""
-    n_indptr, n_indices, n_last = names
-    kvp = host_values(n_indptr, indptr, device, batch + 1)
-    check_metadata(n_indices, indices, device, host_ok=True)
-    last = host_values(n_last, last_page_len, device, batch)
+def _explain_last(n_last: str, kvp: list[int], last: list[int], page_size: int) -> None:
+    for i, l in enumerate(last):
+        pages = kvp[i + 1] - kvp[i]
+        if not pages and l != 0:
+            raise ValueError(f"{n_last}[{i}]={l} but request {i} has no pages; it must be 0 there (an empty history)")
+        if pages and not 1 <= l <= page_size:
+            raise ValueError(f"{n_last}[{i}]={l} is outside 1..page_size={page_size} (request {i} has {pages} pages)")
+    raise AssertionError("no request breaks the last_page_len rule")
+
+
+def _paged_lengths(names: tuple[str, str, str], kvp, last, page_size: int):
+    """(kv lengths, the KV length rule holds) of a valid indptr and a last_page_len, lists or arrays."""
+    n_indptr, _, n_last = names
+    if isinstance(kvp, np.ndarray):
+        last = np.asarray(last, dtype=np.int64)
+        pages = kvp[1:] - kvp[:-1]
+        some = pages > 0                                   # a request with pages needs 1 <= last <= page_size,
+        if ((last < some) | (last > page_size * some)).any():   # one without pages last == 0
+            _explain_last(n_last, kvp.tolist(), last.tolist(), page_size)
+        kv_lens = page_size * (pages - some) + last
+        if kv_lens.size and kv_lens.max() > MAX_KV_LEN:
+            _explain_kv_lens(n_indptr, kv_lens.tolist())
+        return kv_lens
+    kv_lens = []
+    for i, l in enumerate(last):
+        pages = kvp[i + 1] - kvp[i]
+        if (not 1 <= l <= page_size) if pages else l:
+            _explain_last(n_last, kvp, last, page_size)
+        kv_lens.append(page_size * (pages - 1) + l if pages else 0)
+    if kv_lens and max(kv_lens) > MAX_KV_LEN:
+        _explain_kv_lens(n_indptr, kv_lens)
+    return np.array(kv_lens, dtype=np.int64)
+
+
+def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp) -> int:
+    """The largest page id of the first ``used`` entries (-1: none); a negative one is an error. Host page ids are
+    read without a copy; device ones need one synchronizing read of their min and max."""
+    if not used:
+        return -1
+    if indices.device.type == "cpu":
+        ids = indices[:used]
+        if used <= 4 * SMALL:
+            ids = ids.tolist()
+            lo, hi = min(ids), max(ids)
+        else:
+            ids = ids.numpy()
+            lo, hi = int(ids.min()), int(ids.max())
+    else:
+        lo, hi = (int(x) for x in torch.stack(torch.aminmax(indices[:used])).tolist())
+    if lo < 0:
+        ids = indices[:used].tolist()
+        k = next(j for j, p in enumerate(ids) if p < 0)
+        req = next(i for i in range(len(kvp) - 1) if kvp[i] <= k < kvp[i + 1])
+        raise ValueError(f"{n_indices}[{k}]={ids[k]} is not a valid page id (request {req}); page ids must be >= 0 "
+                         "and < the number of pages in the cache")
+    return hi
+
+
+def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor, indices: torch.Tensor,
+               last_page_len: torch.Tensor, *, page_size: int) -> Batch:
+    """A page table (indptr [B+1] and last_page_len [B] on the host, indices anywhere; all checked by check_meta)
+    and the query rows qo [B+1] -> the Batch."""
+    n_indptr, n_indices, _ = names
+    kvp = _values(indptr)
     check_indptr(n_indptr, kvp)
     used = int(kvp[-1])
     if used > indices.numel():
         raise ValueError(f"{n_indices} has {indices.numel()} entries but {n_indptr}[-1]={used}")
-    pages = np.diff(kvp)
-    has_pages = pages > 0
-    bad = np.flatnonzero(~has_pages & (last != 0))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{n_last}[{i}]={int(last[i])} but request {i} has no pages; it must be 0 there (an empty "
-                         "history)")
-    bad = np.flatnonzero(has_pages & ((last < 1) | (last > page_size)))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{n_last}[{i}]={int(last[i])} is outside 1..page_size={page_size} (request {i} has "
-                         f"{int(pages[i])} pages)")
-    kv_lens = np.where(has_pages, page_size * (pages - 1) + last, 0)
-    _check_kv_lens(n_indptr, kv_lens)
-    max_page = -1
-    if used:
-        if indices.device.type == "cpu":
-            ids = indices.numpy()[:used]
-            lo, max_page = int(ids.min()), int(ids.max())
-        else:
-            lo, max_page = torch.aminmax(indices[:used])
-            lo, max_page = int(lo), int(max_page)   # device page ids: one synchronizing read
-            ids = None
-        if lo < 0:
-            ids = ids if ids is not None else indices[:used].cpu().numpy()
-            k = int(np.flatnonzero(ids < 0)[0])
-            req = int(np.searchsorted(kvp, k, side="right") - 1)
-            raise ValueError(f"{n_indices}[{k}]={int(ids[k])} is not a valid page id (request {req}); page ids "
-                             "must be >= 0 and < the number of pages in the cache")
-    return Batch(qo_indptr=np.zeros(0, np.int64), kv_lens=kv_lens, kv_bases=kvp[:-1], max_page=max_page,
+    kv_lens = _paged_lengths(names, kvp, _values(last_page_len), page_size)
+    max_page = _page_id_range(n_indices, indices, used, kvp)
+    kvp = _array(kvp)
+    return Batch(qo_indptr=qo, qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, kv_bases=kvp[:-1], max_page=max_page,
                  num_page_ids=used)
 
 
-def read_ragged(name: str, kv_indptr: Any, *, batch: int, device: torch.device) -> Batch:
-    kvp = host_values(name, kv_indptr, device, batch + 1)
+def read_ragged(name: str, qo: np.ndarray, kv_indptr: torch.Tensor) -> Batch:
+    kvp = _values(kv_indptr)
     check_indptr(name, kvp)
-    kv_lens = np.diff(kvp)
-    _check_kv_lens(name, kv_lens)
-    return Batch(qo_indptr=np.zeros(0, np.int64), kv_lens=kv_lens, kv_bases=kvp[:-1], total_kv=int(kvp[-1]))
+    kvp = _array(kvp)
+    kv_lens = kvp[1:] - kvp[:-1]
+    if kv_lens.size and kv_lens.max() > MAX_KV_LEN:
+        _explain_kv_lens(name, kv_lens.tolist())
+    return Batch(qo_indptr=qo, qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, kv_bases=kvp[:-1], total_kv=int(kvp[-1]))
 
 
-def check_causal(qo_name: str, kv_names: str, qo_indptr: np.ndarray, kv_lens: np.ndarray) -> None:
-    qo_lens = np.diff(qo_indptr)
-    bad = np.flatnonzero(qo_lens > kv_lens)
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{qo_name}: request {i} has {int(qo_lens[i])} query rows but a KV length of "
-                         f"{int(kv_lens[i])} ({kv_names}); with causal=True the KV length must include the query "
-                         "tokens (qo_len <= kv_len)")
+def check_causal(qo_name: str, kv_names: str, batch: Batch) -> None:
+    """causal=True: every request's query rows are among its keys (qo_len <= kv_len)."""
+    if batch.batch_size and (batch.qo_lens > batch.kv_lens).any():
+        i = int(np.flatnonzero(batch.qo_lens > batch.kv_lens)[0])
+        raise ValueError(f"{qo_name}: request {i} has {int(batch.qo_lens[i])} query rows but a KV length of "
+                         f"{int(batch.kv_lens[i])} ({kv_names}); with causal=True the KV length must include the "
+                         "query tokens (qo_len <= kv_len)")
 
 
 def dense_page_ids(indices: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The split-KV scheduler: turns request lengths into a work list that fills the GPU. Pure host code.
+"""The split-KV scheduler: turns request lengths into a work list that fills the GPU. Pure host code (numpy).
 
 A work item is (request, q tile of CTA_Q packed rows, KV range). Without splitting there is one item per
 (request, q tile); the grid's y dimension adds the KV heads. When those items cannot fill the GPU
@@ -12,6 +12,11 @@ longest-first (LPT) over the whole batch would start the last q tile of every re
 CTAs would read every request's K/V once more: with a batch's K/V larger than L2 (32 x 512 tokens at H_kv 8,
 head_dim 128 is 67 MB) that re-reads it from DRAM wave after wave. Keeping a request's q tiles together lets them
 share its K/V in L2, and the tail of the list is still the cheapest items.
+
+Large batches are built with array operations over all items at once (plan() runs every step, and a loop costs
+microseconds per item); small ones by a loop, which is cheaper than numpy's per-call cost there.
+tests/test_scheduler.py holds the loop-only version this replaced and checks that both paths give its records on
+thousands of random plans.
 """
 
 from __future__ import annotations
@@ -19,17 +24,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 
-MIN_CHUNK = 256  # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
+MIN_CHUNK = 256           # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
 MAX_WORK_ITEMS = 1 << 20  # work records per plan: counted before the list is built
+SMALL_BATCH, SMALL_ITEMS = 8, 40  # up to this many requests and items, a loop builds the list faster than numpy
+RECORD_FIELDS = ("request", "q_tile", "kv_begin", "kv_end", "slot0", "chunk", "chunks", "group", "q_row0", "q_rows",
+                 "kv_len", "kv_base")
+_EMPTY = np.zeros((0, len(RECORD_FIELDS)), dtype=np.int32)
 
 
-@dataclass
+@dataclass(slots=True)
 class WorkPlan:
     tile: Any                      # the kernel family's tile (cta_q, cta_kv, name)
-    # one record per work item (12 ints, the kernel's AttentionCTA::setup): request, q tile, kv begin, kv end,
-    # chunk-0 partial slot or -1, chunk, chunks, group, first query row, query rows, kv length, kv base
-    records: list[tuple[int, ...]] = field(default_factory=list)
+    # [W, 12] int32, one row per work item (the kernel's AttentionCTA::setup; RECORD_FIELDS): request, q tile, kv
+    # begin, kv end, chunk-0 partial slot or -1, chunk, chunks, group or -1, first query row, query rows, kv length,
+    # kv base
+    records: np.ndarray = field(default_factory=lambda: _EMPTY)
     num_groups: int = 0            # split groups (request, q tile); each has one ticket counter per KV head
     chunk: int | None = None       # kv tokens per chunk of split requests; None = nothing split
     num_slots: int = 0             # partial-state slots used
@@ -46,28 +57,32 @@ class WorkPlan:
                 "split_requests": self.split_requests, "split_groups": self.num_groups}
 
 
-def _ceil(a: int, b: int) -> int:
+def _ceil(a, b):
     return -(-a // b)
 
 
-def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, num_kv_heads: int, slots: int,
-                 slot_rows: Sequence[int], max_slots: int) -> int | None:
+def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, slot_rows, max_slots: int) -> int | None:
     """The smallest chunk (multiple of cta_kv, >= MIN_CHUNK) whose items fit in ``slots`` CTAs, or None.
 
     None when the unsplit items already fill the GPU, when no history is longer than the minimum chunk, or when
-    the partial states would not fit in the workspace (``max_slots``).
+    the partial states would not fit in the workspace (``max_slots``). Lists or numpy arrays.
     """
-    base = sum(t for t in tiles) * num_kv_heads
-    max_kv = max((k for t, k in zip(tiles, kv_lens) if t), default=0)
+    total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
+    if total * num_kv_heads >= slots:
+        return None
+    # the requests with work are fewer than slots / H_kv here: few, so plain Python over them is cheapest
+    t, k, r = (x.tolist() if isinstance(x, np.ndarray) else x for x in (tiles, kv_lens, slot_rows))
+    active = [(ti, kk, rr) for ti, kk, rr in zip(t, k, r) if ti]
+    max_kv = max((kk for _, kk, _ in active), default=0)
     min_chunk = max(MIN_CHUNK, 2 * cta_kv)
-    if base >= slots or max_kv <= min_chunk:
+    if max_kv <= min_chunk:
         return None
 
     def items(c: int) -> int:
-        return sum(t * _ceil(k, c) for t, k in zip(tiles, kv_lens) if t and k) * num_kv_heads
+        return sum([ti * -(-kk // c) for ti, kk, _ in active if kk]) * num_kv_heads
 
     def partial_slots(c: int) -> int:
-        return sum(rows * _ceil(k, c) for t, k, rows in zip(tiles, kv_lens, slot_rows) if t and k > c)
+        return sum([rows * -(-kk // c) for _, kk, rows in active if kk > c])
 
     lo, hi = _ceil(min_chunk, cta_kv), _ceil(max_kv, cta_kv)  # in units of cta_kv
     while lo < hi:  # smallest c with items(c) <= slots (items is non-increasing in c)
@@ -82,72 +97,175 @@ def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, n
     return chunk if chunk < max_kv else None
 
 
-def item_cost(rec: Sequence[int], *, cta_q: int, group: int, causal: bool) -> int:
-    """What the work order sorts by: packed rows x KV tokens the item visits (at least 1) of one work record."""
-    _req, qt, kv_begin, kv_end = rec[:4]
-    q, k = rec[9], rec[10]
-    rows = min(cta_q, q * group - qt * cta_q)
+def item_costs(records: np.ndarray, *, cta_q: int, group: int, causal: bool) -> np.ndarray:
+    """What the work order sorts by, per record: packed rows x KV tokens the item visits (at least 1)."""
+    r = records.astype(np.int64, copy=False)
+    qt, kv_begin, kv_end, q, k = r[:, 1], r[:, 2], r[:, 3], r[:, 9], r[:, 10]
+    return _costs(qt, kv_begin, kv_end, q, k, cta_q=cta_q, group=group, causal=causal)
+
+
+def _costs(qt, kv_begin, kv_end, q, k, *, cta_q: int, group: int, causal: bool) -> np.ndarray:
+    rows = np.minimum(cta_q, q * group - qt * cta_q)
     end = k - q + (qt * cta_q + rows - 1) // group + 1 if causal else k
-    return rows * max(1, min(kv_end, end) - kv_begin)
+    return rows * np.maximum(1, np.minimum(kv_end, end) - kv_begin)
+
+
+def _check_count(count: int, cta_q: int, chunk: int | None, fixed_chunk: int | None) -> None:
+    if count > MAX_WORK_ITEMS:
+        raise ValueError(f"this plan would need {count} work items (the query rows of qo_indptr in q tiles of "
+                         f"{cta_q} packed rows, times KV chunks of {chunk} tokens with fixed_split_size="
+                         f"{fixed_chunk}); one plan takes at most {MAX_WORK_ITEMS}: plan fewer rows or a larger "
+                         "fixed_split_size")
+
+
+def _check_slots(needed: int, max_slots: int) -> None:
+    if needed > max_slots:
+        raise ValueError(f"the split-KV plan needs {needed} partial-state slots but the workspace holds {max_slots}; "
+                         "pass a larger float_workspace_buffer or a larger fixed_split_size")
+
+
+def _list(x) -> list[int]:
+    return x.tolist() if isinstance(x, np.ndarray) else [int(v) for v in x]
 
 
 def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int],
               kv_bases: Sequence[int], group: int, tile: Any, causal: bool, num_kv_heads: int, slots: int,
               max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
     """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i]); ``kv_bases[i]``
-    its first page-table entry (paged) or first kv row (ragged)."""
+    its first page-table entry (paged) or first kv row (ragged). Sequences or numpy arrays.
+
+    Small batches (at most SMALL_BATCH requests and SMALL_ITEMS items) are built by a loop, larger ones with array
+    operations: a numpy call costs about a microsecond, more than a short loop (tests/test_scheduler.py holds both
+    to the same records)."""
     cta_q = tile.cta_q
-    tiles = [-(-(q * group) // cta_q) if q else 0 for q in qo_lens]
+    if fixed_chunk is not None and fixed_chunk < 1:
+        raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
+    small = len(qo_lens) <= SMALL_BATCH
+    if small:
+        q, k = _list(qo_lens), _list(kv_lens)
+        tiles = [_ceil(x * group, cta_q) if x else 0 for x in q]
+    else:
+        q, k = np.asarray(qo_lens, dtype=np.int64), np.asarray(kv_lens, dtype=np.int64)
+        tiles = np.where(q > 0, _ceil(q * group, cta_q), 0)
     if fixed_chunk is not None:
-        if fixed_chunk < 1:
-            raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
         chunk = _ceil(fixed_chunk, tile.cta_kv) * tile.cta_kv
     elif allow_split:
-        chunk = choose_chunk(tiles, kv_lens, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots,
-                             slot_rows=qo_lens, max_slots=max_slots)
+        chunk = choose_chunk(tiles, k, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots, slot_rows=q,
+                             max_slots=max_slots)
     else:
         chunk = None
-    count = sum(t * (_ceil(k, chunk) if chunk is not None and k > chunk else 1) for t, k in zip(tiles, kv_lens) if t)
-    if count > MAX_WORK_ITEMS:
-        raise ValueError(f"this plan would need {count} work items (the query rows of qo_indptr in q tiles of "
-                         f"{cta_q // group} tokens, times KV chunks of {chunk} tokens with fixed_split_size="
-                         f"{fixed_chunk}); one plan takes at most {MAX_WORK_ITEMS}: plan fewer rows or a larger "
-                         "fixed_split_size")
     plan = WorkPlan(tile=tile, slots_target=slots)
-    if chunk is None and all(t == 1 for t in tiles):
-        # fast path (every decode batch, most small prefills): one item per request, the whole history; with one q
-        # tile per request the causal end is the history's end, so the cost is rows x kv length
-        order = sorted(range(len(tiles)), key=lambda i: -(qo_lens[i] * max(kv_lens[i], 1)))
-        plan.records = [(i, 0, 0, kv_lens[i], -1, 0, 1, -1, qo_offsets[i], qo_lens[i], kv_lens[i], kv_bases[i])
-                        for i in order]
-        return plan
-    per_request: list[list[tuple[int, tuple[int, ...]]]] = []  # (cost, record) of each request with work
+    if small:
+        n = [_ceil(kk, chunk) if chunk is not None and kk > chunk else 1 for kk in k]
+        count = sum(t * c for t, c in zip(tiles, n))
+        _check_count(count, cta_q, chunk, fixed_chunk)
+        if count <= SMALL_ITEMS:
+            return _plan_loop(plan, q, k, tiles, n, _list(qo_offsets), _list(kv_bases), chunk=chunk, group=group,
+                              cta_q=cta_q, causal=causal, max_slots=max_slots)
+        q, k, tiles = np.asarray(q, dtype=np.int64), np.asarray(k, dtype=np.int64), np.asarray(tiles)
+    return _plan_arrays(plan, q, k, tiles, np.asarray(qo_offsets, dtype=np.int64),
+                        np.asarray(kv_bases, dtype=np.int64), chunk=chunk, group=group, cta_q=cta_q, causal=causal,
+                        max_slots=max_slots, fixed_chunk=fixed_chunk)
+
+
+def _plan_loop(plan: WorkPlan, q: list[int], k: list[int], tiles: list[int], n: list[int], qo_offsets: list[int],
+               kv_bases: list[int], *, chunk, group: int, cta_q: int, causal: bool, max_slots: int) -> WorkPlan:
+    """The work list of a small batch, item by item (the order and numbering _plan_arrays produces; the cost is
+    item_costs' formula, written out inline)."""
+    requests = []  # (costliest item, its records longest first, flattened) of each request with work
     next_slot = 0
-    for i, (t, q, k) in enumerate(zip(tiles, qo_lens, kv_lens)):
+    for i, t in enumerate(tiles):
         if not t:
             continue
-        n_chunks = _ceil(k, chunk) if chunk is not None and k > chunk else 1
-        qo_off, kv_base = qo_offsets[i], kv_bases[i]
-        if n_chunks == 1:   # the common case: one item per q tile, the whole history
-            recs = [(i, qt, 0, k, -1, 0, 1, -1, qo_off, q, k, kv_base) for qt in range(t)]
+        qq, kk, nc, off, base_kv = q[i], k[i], n[i], qo_offsets[i], kv_bases[i]
+        costs = []   # item j is (q tile j // nc, chunk j % nc)
+        for qt in range(t):
+            rows = min(cta_q, qq * group - qt * cta_q)
+            end = kk - qq + (qt * cta_q + rows - 1) // group + 1 if causal else kk
+            costs += [rows * max(1, min(kk, end, (c + 1) * chunk) - c * chunk) for c in range(nc)] if nc > 1 else \
+                [rows * max(1, min(kk, end))]
+        order = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)  # stable: ties keep tile/chunk order
+        flat = []
+        if nc == 1:   # the common case: one item per q tile, the whole history
+            for qt in order:
+                flat += (i, qt, 0, kk, -1, 0, 1, -1, off, qq, kk, base_kv)
         else:
-            base = next_slot
-            next_slot += n_chunks * q
+            slot0, g0 = next_slot, plan.num_groups
+            next_slot += nc * qq
             plan.split_requests += 1
-            recs = []
-            for qt in range(t):
-                group_id = plan.num_groups
-                plan.num_groups += 1
-                recs += [(i, qt, c * chunk, min(k, (c + 1) * chunk), base, c, n_chunks, group_id, qo_off, q, k, kv_base)
-                         for c in range(n_chunks)]
-        costs = [(item_cost(r, cta_q=cta_q, group=group, causal=causal), r) for r in recs]
-        costs.sort(key=lambda cr: -cr[0])   # longest first; stable, so ties keep q tile / chunk order
-        per_request.append(costs)
-    if next_slot > max_slots:
-        raise ValueError(f"the split-KV plan needs {next_slot} partial-state slots but the workspace holds "
-                         f"{max_slots}; pass a larger float_workspace_buffer or a larger fixed_split_size")
-    per_request.sort(key=lambda costs: -costs[0][0])   # heaviest request first; stable: ties keep request order
-    plan.records = [rec for costs in per_request for _cost, rec in costs]
+            plan.num_groups += t
+            for j in order:
+                qt, c = divmod(j, nc)
+                flat += (i, qt, c * chunk, min(kk, (c + 1) * chunk), slot0, c, nc, g0 + qt, off, qq, kk, base_kv)
+        requests.append((costs[order[0]], flat))
+    _check_slots(next_slot, max_slots)
+    requests.sort(key=lambda r: r[0], reverse=True)   # heaviest request first; stable: ties keep request order
+    flat = [x for _, f in requests for x in f] if len(requests) > 1 else requests[0][1] if requests else []
+    plan.records = np.array(flat, dtype=np.int32).reshape(-1, 12) if flat else _EMPTY
     plan.chunk = chunk if plan.split_requests else None
     plan.num_slots = next_slot
+    return plan
+
+
+def _plan_arrays(plan: WorkPlan, q: np.ndarray, k: np.ndarray, tiles: np.ndarray, qo_offsets: np.ndarray,
+                 kv_bases: np.ndarray, *, chunk, group: int, cta_q: int, causal: bool, max_slots: int,
+                 fixed_chunk) -> WorkPlan:
+    """The work list of a large batch, with array operations over all items at once."""
+    if chunk is None and len(tiles) and bool((tiles == 1).all()):
+        # fast path (every decode batch, most small prefills): one item per request, the whole history; with one q
+        # tile per request the causal end is the history's end, so the cost is rows x kv length
+        order = np.argsort(-(q * np.maximum(k, 1)), kind="stable")
+        recs = np.empty((len(q), 12), dtype=np.int32)
+        recs[:, 0] = order
+        recs[:, 1:3] = 0
+        recs[:, 3] = recs[:, 10] = k[order]
+        recs[:, 4], recs[:, 5], recs[:, 6], recs[:, 7] = -1, 0, 1, -1
+        recs[:, 8] = qo_offsets[order]
+        recs[:, 9] = q[order]
+        recs[:, 11] = kv_bases[order]
+        plan.records = recs
+        return plan
+    active = np.flatnonzero(tiles)
+    t, q, k = tiles[active], q[active], k[active]
+    n = np.where(k > chunk, _ceil(k, chunk), 1) if chunk is not None else np.ones_like(k)
+    per = t * n                       # items of each request with work
+    count = int(per.sum())
+    _check_count(count, cta_q, chunk, fixed_chunk)
+    split = n > 1
+    slot_need = np.where(split, n * q, 0)               # a split request owns chunks x qo_len partial slots
+    plan.num_slots = int(slot_need.sum())
+    _check_slots(plan.num_slots, max_slots)
+    group_need = np.where(split, t, 0)                  # one split group per (split request, q tile)
+    plan.num_groups = int(group_need.sum())
+    plan.split_requests = int(split.sum())
+    plan.chunk = chunk if plan.split_requests else None
+    if not count:
+        return plan
+    # one row per item, in generation order: request by request, q tile by q tile, chunk by chunk
+    start = np.cumsum(per) - per
+    owner = np.repeat(np.arange(len(active)), per)     # index into the active requests
+    j = np.arange(count) - start[owner]
+    n_i, k_i, q_i = n[owner], k[owner], q[owner]
+    qt, c = j // n_i, j % n_i
+    split_i = split[owner]
+    kv_begin = c * chunk if chunk is not None else np.zeros_like(c)
+    kv_end = np.minimum(k_i, (c + 1) * chunk) if chunk is not None else k_i
+    cost = _costs(qt, kv_begin, kv_end, q_i, k_i, cta_q=cta_q, group=group, causal=causal)
+    heaviest = np.maximum.reduceat(cost, start)        # each request's costliest item
+    # heaviest request first (ties: request order), its items longest first (ties: generation order)
+    order = np.lexsort((-cost, owner, -heaviest[owner]))
+    recs = np.empty((count, 12), dtype=np.int32)
+    recs[:, 0] = active[owner]
+    recs[:, 1] = qt
+    recs[:, 2] = kv_begin
+    recs[:, 3] = kv_end
+    recs[:, 4] = np.where(split_i, (np.cumsum(slot_need) - slot_need)[owner], -1)
+    recs[:, 5] = c
+    recs[:, 6] = n_i
+    recs[:, 7] = np.where(split_i, (np.cumsum(group_need) - group_need)[owner] + qt, -1)
+    recs[:, 8] = qo_offsets[active][owner]
+    recs[:, 9] = q_i
+    recs[:, 10] = k_i
+    recs[:, 11] = kv_bases[active][owner]
+    plan.records = recs[order]
     return plan

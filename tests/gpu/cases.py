@@ -152,6 +152,11 @@ DECODE = [
 ALL = PAGED + RAGGED + DECODE
 # every case on each of its families: the matrix the GPU tests run
 MATRIX = [(c, f) for c in ALL for f in c.families]
+# the sm90 family's other tile configurations (attnjit tune picks among them) on a few cases
+TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
+              replace(_P, name="paged-prefill-only", qo_lens=PREFILL_QO, kv_lens=PREFILL_KV),
+              replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False)]
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3")]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [
@@ -298,11 +303,27 @@ def _dispatched(spec: AttentionSpec) -> list[AttentionSpec]:
     return [spec if f == spec.family else spec.replace(family=f) for f in families.dispatchable(spec)]
 
 
+# What tests/gpu/test_transformers.py compiles: the models' attention (head_dim 64, 4 q heads over 2 KV heads, bf16)
+# as ragged batches: causal alone, with the sliding window and the soft-cap (Gemma-2), and explicit masks of padded
+# batches as custom masks.
+_HF = dict(op="prefill", head_dim=64, dtype="bf16", kv="ragged", group_size=2)
+TRANSFORMERS_SPECS = [
+    AttentionSpec(mask="causal", **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SLIDING_WINDOW, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.SOFTCAP, **_HF),
+    AttentionSpec(mask="causal", variant=builtin.compose(builtin.SOFTCAP, builtin.SLIDING_WINDOW), **_HF),
+    AttentionSpec(mask="none", variant=builtin.CUSTOM_MASK, **_HF),
+    AttentionSpec(mask="none", variant=builtin.compose(builtin.SOFTCAP, builtin.CUSTOM_MASK), **_HF),
+]
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
-    views = [d for v in VIEW_SPECS for d in _dispatched(v)]
+    views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
+    tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX]
     serving = [c.spec(f) for c, f in SERVING_MATRIX]
-    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + serving:
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles \
+            + serving:
         if s not in out:
             out.append(s)
     return out

@@ -12,7 +12,7 @@ import attnjit
 from attnjit import reference
 
 from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
-from .cases import BACKEND, MATRIX, Case
+from .cases import BACKEND, MATRIX, TILE_MATRIX, Case
 
 DEV = "cuda"
 
@@ -31,14 +31,14 @@ def _cache_arg(cache: torch.Tensor, as_tuple: bool):
     return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
 
 
-def run_case(case: Case, workspace, seed: int, family: str = "fa2"):
+def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None):
     hq, hkv = case.heads
     d = case.head_dim
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                                                     head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
                                                     offset=case.offset)
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family])
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family], tile=tile)
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), hq, hkv, d, causal=case.causal, q_data_type=case.dtype,
                **_split_kwargs(case))
         out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
@@ -56,7 +56,8 @@ def run_case(case: Case, workspace, seed: int, family: str = "fa2"):
         w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
         w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **_split_kwargs(case))
     else:
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family],
+                                                        tile=tile)
         w.plan(qo_t, kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, causal=case.causal, q_data_type=case.dtype,
                **_split_kwargs(case))
     w.run(b.q, cache, out=out, lse=lse)
@@ -81,6 +82,44 @@ def test_matches_reference(case: Case, family: str, workspace):
         assert not decision["split_kv"], decision
     if case.name.endswith("autosplit") or case.name == "decode-128k":
         assert decision["split_kv"], decision
+
+
+@pytest.mark.parametrize("case,tile", TILE_MATRIX, ids=[f"{c.name}-sm90-{t}" for c, t in TILE_MATRIX])
+def test_sm90_tile_configurations_match_reference(case: Case, tile: str, workspace):
+    """The sm90 family's other tile configurations (what attnjit tune chooses among) compute the same attention."""
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(case.name.encode()) % 1000 + 1,
+                                           family="sm90", tile=tile)
+    torch.cuda.synchronize()
+    assert w._plan.spec == case.spec("sm90").replace(tile=tile) and w.last_plan["family"] == "sm90"
+    assert_close(out, ref_o, case.dtype)
+    assert_lse_close(lse, ref_lse)
+
+
+def test_tuning_record_picks_the_tile_plan_runs(workspace, tmp_path, monkeypatch):
+    """attnjit tune on this GPU writes a record; a fresh wrapper's plan() then runs the recorded tile, and the
+    dispatch record names it."""
+    from attnjit import tuning
+    from attnjit.cache import Cache
+    from attnjit.families import tiles_for
+    from attnjit.tune import tune
+
+    monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(tmp_path / "cache"))
+    tuning.clear_memo()
+    spec = Case("t", "paged", (1,), (1,)).spec("sm90")
+    outcome = tune(spec, batch=2, length=512, reps=3, cache=Cache(tmp_path / "cache"))
+    assert outcome.best in ("kv128", "kv128q1", "kv64s3") and set(outcome.ms) == {"kv128", "kv128q1", "kv64s3"}
+    b = make_paged((300,), (400,), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=12)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+    w.plan(*b.tensors(DEV), 32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16)
+    assert w._plan.spec.tile == (None if outcome.best == "kv128" else outcome.best)
+    with attnjit.recording() as rec:
+        out = w.run(b.q, b.cache)
+    assert rec[0].plan["tile"] == tiles_for(w._plan.spec)[0].name
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   page_size=16, causal=True)
+    assert_close(out, ref, torch.bfloat16)
+    tuning.clear_memo()
 
 
 def test_fresh_inputs_reuse_plan(workspace):

@@ -275,34 +275,53 @@ struct Consumer {
   __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::CONSUMER_THREADS); }
   __device__ __forceinline__ void pass_turn() const { named_arrive(Tr::BAR_TURN + (wg ^ 1), Tr::CONSUMER_THREADS); }
 
+  // Pipeline steps: a tile's K (or V) waited for, and its stage handed back once the wgmma reading it completed.
+  __device__ __forceinline__ void wait_full(uint64_t* bar, uint32_t phase) {
+    mbar_wait(bar, phase);
+    fence_proxy_async();  // the producer's cp.async writes, visible to the wgmma (async proxy)
+  }
+  __device__ __forceinline__ void done_with_k(Ring<Tr::NUM_STAGES>& kr) {
+    fence_operands<N / 2>(s);
+    release(sm.k_empty(kr.stage));
+    kr.advance();
+  }
+  __device__ __forceinline__ void done_with_v(Ring<Tr::NUM_STAGES>& vr) {
+    fence_operands<D / 2>(o);
+    release(sm.v_empty(vr.stage));
+    vr.advance();
+  }
+  // S = Q K^T of the ring's current K tile (tile `tile` of the item, after the variant's key transform), in this
+  // consumer's turn.
+  __device__ __forceinline__ void qk_turn(const Ring<Tr::NUM_STAGES>& kr, int tile) {
+    wait_full(sm.k_full(kr.stage), kr.phase);
+    transform_k(tile, kr.stage);
+    take_turn();
+    wgmma_fence();
+    issue_qk(kr.stage);
+  }
+  // O += P V of the ring's current V tile (whose data has arrived: wait_full), in a turn already taken.
+  __device__ __forceinline__ void pv_issue(const Ring<Tr::NUM_STAGES>& vr) {
+    wgmma_fence();
+    issue_pv(vr.stage);
+  }
+
   // The item's kv tiles, one at a time: S(j), its softmax, P(j) V(j); each GEMM one turn at the tensor cores.
   // (For head_dim 256, whose 128 O registers leave no room for S(j) and P(j-1) at once.)
   __device__ __forceinline__ void mainloop_serial(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
     for (int j = 0; j < it.num_tiles; ++j) {
-      mbar_wait(sm.k_full(kr.stage), kr.phase);
-      fence_proxy_async();
-      transform_k(j, kr.stage);
-      take_turn();
-      wgmma_fence();
-      issue_qk(kr.stage);
+      qk_turn(kr, j);
       pass_turn();
       wgmma_wait<0>();
-      fence_operands<N / 2>(s);
-      release(sm.k_empty(kr.stage));
-      kr.advance();
+      done_with_k(kr);
       softmax(j, scale2);
       pack_p();
       rescale_o();
-      mbar_wait(sm.v_full(vr.stage), vr.phase);
-      fence_proxy_async();
+      wait_full(sm.v_full(vr.stage), vr.phase);
       take_turn();
-      wgmma_fence();
-      issue_pv(vr.stage);
+      pv_issue(vr);
       pass_turn();
       wgmma_wait<0>();
-      fence_operands<D / 2>(o);
-      release(sm.v_empty(vr.stage));
-      vr.advance();
+      done_with_v(vr);
     }
   }
 
@@ -311,54 +330,32 @@ struct Consumer {
     if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
     const int n = it.num_tiles;
     if (n == 0) return;
-    mbar_wait(sm.k_full(kr.stage), kr.phase);
-    fence_proxy_async();  // the producer's cp.async writes, visible to the wgmma (async proxy)
-    transform_k(0, kr.stage);
-    take_turn();
-    wgmma_fence();
-    issue_qk(kr.stage);
+    qk_turn(kr, 0);
     pass_turn();
     wgmma_wait<0>();
-    fence_operands<N / 2>(s);
-    release(sm.k_empty(kr.stage));
-    kr.advance();
+    done_with_k(kr);
     softmax(0, scale2);
     pack_p();
     for (int j = 1; j < n; ++j) {
-      mbar_wait(sm.k_full(kr.stage), kr.phase);
-      fence_proxy_async();
-      transform_k(j, kr.stage);
-      take_turn();
-      wgmma_fence();
-      issue_qk(kr.stage);
+      qk_turn(kr, j);
       rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
-      mbar_wait(sm.v_full(vr.stage), vr.phase);
-      fence_proxy_async();
-      wgmma_fence();
-      issue_pv(vr.stage);
+      wait_full(sm.v_full(vr.stage), vr.phase);
+      pv_issue(vr);
       pass_turn();
       wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
-      fence_operands<N / 2>(s);
-      release(sm.k_empty(kr.stage));
-      kr.advance();
+      done_with_k(kr);
       softmax(j, scale2);
       wgmma_wait<0>();
-      fence_operands<D / 2>(o);
-      release(sm.v_empty(vr.stage));
-      vr.advance();
+      done_with_v(vr);
       pack_p();
     }
     rescale_o();
-    mbar_wait(sm.v_full(vr.stage), vr.phase);
-    fence_proxy_async();
+    wait_full(sm.v_full(vr.stage), vr.phase);
     take_turn();
-    wgmma_fence();
-    issue_pv(vr.stage);
+    pv_issue(vr);
     pass_turn();
     wgmma_wait<0>();
-    fence_operands<D / 2>(o);
-    release(sm.v_empty(vr.stage));
-    vr.advance();
+    done_with_v(vr);
   }
 
   // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile and

@@ -1,0 +1,1 @@
+"""Integrations with other libraries (optional dependencies: each module imports its library when imported)."""

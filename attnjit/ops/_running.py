@@ -1,0 +1,132 @@
+"""run()'s side of a plan: what plan() fixed (``Plan``) and the checks of run()'s tensors against it.
+
+Everything here runs per call and may be captured in a CUDA graph: it checks, fills the prepared parameter struct
+and launches; it allocates only an ``out``/``lse`` the caller did not pass, and never synchronizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..generator import PARAMS
+from ..specs import AttentionSpec
+from ._common import check_no_overlap, check_tensor, check_vectors
+from ._variants import Binding, check_value
+from .scheduler import WorkPlan
+
+
+@dataclass
+class Plan:
+    spec: AttentionSpec
+    work: WorkPlan
+    batch_size: int
+    total_q: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int | None
+    q_dtype: torch.dtype
+    kv_dtype: torch.dtype
+    o_dtype: torch.dtype
+    max_page: int                   # largest page id used (-1: none), checked against the cache in run()
+    total_kv: int                   # ragged: kv_indptr[-1]
+    on_gpu: bool
+    q_shape: Any = None             # torch.Size([total_q, H_q, D]): what run() expects of q and out
+    binding: Binding = field(default_factory=Binding)  # the variant and the parameters plan() fixed
+    variant_slots: list = field(default_factory=list)   # (name, struct index, kind) of run()-time parameters
+    layout: Any = None              # the kernel's ParamLayout (PARAMS["attention"] plus the variant's fields)
+    variant_sizes: dict = field(default_factory=dict)   # per -> length, for run()'s tensor-parameter checks
+    attn: Any = None                # dispatch.Launch
+    attn_values: list = field(default_factory=list)
+    keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
+    sched: dict = field(default_factory=dict)  # plan_work's arguments that do not depend on the lengths
+    settings: dict = field(default_factory=dict)  # what plan() fixed, by FlashInfer's names (compat.plan_settings)
+    extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
+
+    def decision(self) -> dict:
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
+
+
+def vector_ready(t: torch.Tensor) -> bool:
+    """[N, H, D] with a 16-byte aligned start and token/head strides (2-byte elements), last dim contiguous."""
+    return (t.data_ptr() % 16 == 0 and t.stride(2) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
+            and (t.shape[1] <= 1 or t.stride(1) % 8 == 0))
+
+
+def check_q_out(plan: Plan, device: torch.device, q: torch.Tensor, out, lse, return_lse: bool):
+    """Check q/out/lse against the plan (allocating out/lse when not given); returns them with q/out strides."""
+    shape, dev = plan.q_shape, device
+    qs = q.stride() if isinstance(q, torch.Tensor) else None
+    if qs is None or q.dtype != plan.q_dtype or q.shape != shape or qs[2] != 1 or q.device != dev:
+        check_tensor("q", q)
+        raise ValueError(f"run(): q must be {plan.q_dtype} {list(shape)} on {dev} with a contiguous last "
+                         f"dim, as planned; got {q.dtype} {list(q.shape)} on {q.device} strides {q.stride()}. "
+                         "Call plan() again for a new batch.")
+    if not vector_ready(q):
+        check_vectors("q", q, (0, 1))
+    if out is None:
+        out = torch.empty(shape, dtype=plan.o_dtype, device=dev)
+    os_ = out.stride() if isinstance(out, torch.Tensor) else None
+    if os_ is None or out.dtype != plan.o_dtype or out.shape != shape or os_[2] != 1 or out.device != dev:
+        check_tensor("out", out)
+        raise ValueError(f"run(): out must be {plan.o_dtype} {list(shape)} on {dev} with a contiguous "
+                         f"last dim; got {out.dtype} {list(out.shape)} on {out.device}")
+    if not vector_ready(out):
+        check_vectors("out", out, (0, 1))
+    if not out.is_contiguous():
+        check_no_overlap("out", out)
+    if lse is None and return_lse:
+        lse = torch.empty(shape[:2], dtype=torch.float32, device=dev)
+    elif lse is not None:
+        if not isinstance(lse, torch.Tensor) or lse.dtype != torch.float32 or lse.shape != shape[:2] \
+                or lse.device != dev or not lse.is_contiguous():
+            check_tensor("lse", lse)
+            raise ValueError(f"run(): lse must be a contiguous float32 {list(shape[:2])} tensor on "
+                             f"{dev} (the kernel writes it as a dense array); got {lse.dtype} {list(lse.shape)} "
+                             f"strides {lse.stride()}")
+    return out, lse, qs, os_
+
+
+def variant_args(plan: Plan, device: torch.device, kwargs: dict[str, Any], return_lse: bool) -> None:
+    """Check run()'s variant parameters against the plan's variant and put them in the parameter struct."""
+    variant = plan.binding.variant
+    if variant is None:
+        if kwargs:
+            raise TypeError(f"run() got unexpected keyword argument(s) {sorted(kwargs)}; this wrapper has no "
+                            "variant (pass variant= to the constructor)")
+        return
+    if return_lse and not variant.use_softmax:
+        raise ValueError(f"variant {variant.name!r} has use_softmax=False: its output has no log-sum-exp; call "
+                         "run() without return_lse/lse")
+    extra = sorted(set(kwargs) - {n for n, _, _ in plan.variant_slots})
+    if extra:
+        raise TypeError(f"run(): variant {variant.name!r} has no parameter {extra[0]!r}; it takes "
+                        f"{[n for n, _, _ in plan.variant_slots] or 'none at run time'}")
+    for name, index, kind in plan.variant_slots:
+        if name not in kwargs:
+            raise TypeError(f"run(): variant {variant.name!r} needs parameter {name!r} "
+                            f"({getattr(kind, '__name__', None) or kind.describe()})")
+        value = check_value(variant, name, kind, kwargs[name], device=device, sizes=plan.variant_sizes)
+        plan.attn_values[index] = value
+
+
+def launch(plan: Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out, os_,
+           lse) -> None:
+    """Fill run()'s fields of the parameter struct (pointers and strides) and launch."""
+    vals = plan.attn_values
+    vals[0], vals[1], vals[2], vals[3] = q.data_ptr(), k_ptr, v_ptr, out.data_ptr()
+    vals[4] = lse.data_ptr() if lse is not None else 0
+    vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = qs[0], qs[1], os_[0], os_[1]
+    vals[_KV0], vals[_KV1] = stride0, stride1
+    plan.attn(vals)
+
+
+
+# positions in PARAMS["attention"] that launch() fills per run()
+_A = PARAMS["attention"].index
+assert (_A["q"], _A["k"], _A["v"], _A["o"], _A["lse"]) == (0, 1, 2, 3, 4)
+_QSN, _QSH, _OSN, _OSH = _A["q_stride_n"], _A["q_stride_h"], _A["o_stride_n"], _A["o_stride_h"]
+_KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]

@@ -1,0 +1,117 @@
+"""``attnjit tune``: time each named tile configuration of a spec's kernel family on this GPU and write the winner
+to a tuning record (attnjit/tuning.py), which plan() then uses. Needs a GPU; compiles each configuration once.
+
+The workload is a batch of ``batch x length`` requests (the spec's page size, layout and mask; 8 KV heads and the
+spec's group of query heads), random inputs, every configuration timed with CUDA events around back-to-back runs
+(median of blocks). Configurations must agree with each other (they compute the same attention): a disagreement
+beyond bf16/fp16 rounding is an error, not a winner.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+from . import families
+from .cache import Cache
+from .errors import NoGPUError
+from .specs import AttentionSpec
+from .tuning import Record, TuningStore, gpu_id, untuned
+
+KV_HEADS = 8
+_BACKEND = {"sm90": "sm90", "fa2": "fa2"}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    spec: AttentionSpec
+    ms: dict[str, float]      # tile name -> median ms
+    best: str | None          # None: nothing to tune
+    note: str = ""
+
+
+def _time_ms(torch, fn, reps: int, blocks: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(blocks):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) / reps)
+    return statistics.median(out)
+
+
+def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | None):
+    """A wrapper planned for the workload with one tile configuration, and its run."""
+    import attnjit
+
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype_q]
+    d, hq = spec.head_dim_qk, KV_HEADS * spec.group_size
+    q = torch.randn(batch * length, hq, d, dtype=dt, device=dev, generator=gen)
+    qo = torch.arange(0, batch * length + 1, length, dtype=torch.int32)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    kw = dict(backend=_BACKEND[spec.family], variant=spec.variant, tile=tile)
+    causal = spec.mask == "causal"
+    if spec.kv == "ragged":
+        k, v = (torch.randn(batch * length, KV_HEADS, d, dtype=dt, device=dev, generator=gen) for _ in range(2))
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, **kw)
+        w.plan(qo, qo, hq, KV_HEADS, d, causal=causal, q_data_type=dt)
+        return w, lambda out: w.run(q, k, v, out=out), q
+    ps = spec.page_size
+    pages = -(-length // ps)
+    ids = torch.randperm(batch * pages, device=dev, generator=gen).to(torch.int32)
+    indptr = torch.arange(0, batch * pages + 1, pages, dtype=torch.int32)
+    last = torch.full((batch,), length - ps * (pages - 1), dtype=torch.int32)
+    shape = (batch * pages, 2, ps, KV_HEADS, d) if spec.layout == "NHD" else (batch * pages, 2, KV_HEADS, ps, d)
+    cache = torch.randn(shape, dtype=dt, device=dev, generator=gen)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, spec.layout, **kw)
+    w.plan(qo, indptr, ids.cpu(), last, hq, KV_HEADS, d, ps, causal=causal, q_data_type=dt)
+    return w, lambda out: w.run(q, cache, out=out), q
+
+
+def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache: Cache | None = None,
+         say: Callable[[str], None] = lambda _s: None) -> Outcome:
+    """Time every tile configuration of ``spec`` (a prefill spec) and record the fastest for this GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise NoGPUError("attnjit tune times kernels: it needs a CUDA GPU (none is available)")
+    spec = untuned(spec)
+    names = families.tile_names(spec)
+    if spec.op != "prefill" or len(names) < 2:
+        return Outcome(spec, {}, None, f"nothing to tune: the {spec.family} family picks its tiles per batch"
+                       if spec.op == "prefill" else "nothing to tune: only prefill specs have tile configurations")
+    if spec.variant is not None and any(part.params for part in spec.variant.parts):
+        return Outcome(spec, {}, None, f"not tuned: variant {spec.variant.name!r} takes run-time parameters")
+    ms: dict[str, float] = {}
+    ref = None
+    for name in names:
+        w, run, q = _workload(torch, spec, batch, length, name)
+        if w.last_plan.get("tile") is None:
+            raise RuntimeError(f"tune: the plan of {spec.short_name()} reports no tile")
+        out = torch.empty_like(q)
+        ms[name] = _time_ms(torch, lambda: run(out), reps)
+        if ref is None:
+            ref = out.float()
+        else:
+            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+            if not err < 2e-2:
+                raise RuntimeError(f"tune: tile {name} of {spec.short_name()} disagrees with {names[0]} (relative "
+                                   f"difference {err:.2e}); not recording a winner")
+        say(f"  {spec.short_name()} tile {name}: {ms[name]:.4f} ms")
+    best = min(ms, key=ms.get)
+    device = torch.cuda.get_device_name()
+    arch = spec.arch
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    record = Record(spec=spec.canonical(), gpu=gpu_id(arch, sms), tile=best, ms=ms, device=device,
+                    workload=f"prefill {batch}x{length}, {KV_HEADS * spec.group_size} query / {KV_HEADS} KV heads")
+    TuningStore(cache).write(record)
+    return Outcome(spec, ms, best)

@@ -1,0 +1,220 @@
+"""Host time of plan() (benchmarks/RESULTS.md, "plan() host time"; issue 13 item 1).
+
+    python3 benchmarks/plan_host.py              # this machine: a CPU workspace where there is no GPU
+    python3 benchmarks/plan_host.py --json out.json
+
+The issue's configuration: H_q 32 / H_kv 8 / head_dim 128 / bf16 / page 16 / KV 2048 per request, metadata on
+the host as engines pass it (on a GPU host also on the device), decode (one query row per request) and prefill
+(128 new tokens per request, causal), batch 1 / 16 / 64 / 256. Per call: the minimum and the median over rounds of
+calls (the minimum is the figure to compare on a shared machine; the median shows the noise). Also:
+
+- where attnjit's plan() spends it (validate + read metadata / schedule / upload / launch setup / the rest), by
+  timing those functions inside plan();
+- graph-mode decode: plan() and the fast re-plan (``BatchDecodeWithPagedKVCacheWrapper.fast_plan``) at the same
+  sizes, where the wrapper has one;
+- FlashInfer's plan() with the same arguments where it is installed (the ratio attnjit / FlashInfer is the
+  issue's target: <= 0.8).
+
+On a machine without a GPU, plan() skips the upload and the module load (there is nothing to upload to): its figures
+are the host work only. The GPU host's figures are the ones the issue's table compares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import attnjit  # noqa: E402
+
+H_Q, H_KV, D, PS, KV, QO = 32, 8, 128, 16, 2048, 128
+DT = torch.bfloat16
+BATCHES = (1, 16, 64, 256)
+
+
+def metadata(batch: int, op: str, device) -> dict:
+    pages = KV // PS
+    i = lambda v: torch.tensor(v, dtype=torch.int32, device=device)  # noqa: E731
+    meta = {"indptr": i([b * pages for b in range(batch + 1)]), "indices": i(list(range(batch * pages))),
+            "last": i([PS] * batch)}
+    if op == "prefill":
+        meta["qo"] = i([b * QO for b in range(batch + 1)])
+    return meta
+
+
+def planner(name: str, op: str, ws, meta: dict):
+    """(wrapper, a no-argument function that plans once), for attnjit or FlashInfer."""
+    if name == "flashinfer":
+        import flashinfer
+
+        mod = flashinfer
+    else:
+        mod = attnjit
+    if op == "decode":
+        kw = {"use_tensor_cores": True} if name == "flashinfer" else {}
+        w = mod.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", **kw)
+        return w, lambda: w.plan(meta["indptr"], meta["indices"], meta["last"], H_Q, H_KV, D, PS, q_data_type=DT,
+                                 kv_data_type=DT)
+    w = mod.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    return w, lambda: w.plan(meta["qo"], meta["indptr"], meta["indices"], meta["last"], H_Q, H_KV, D, PS,
+                             causal=True, q_data_type=DT, kv_data_type=DT)
+
+
+def timed(fn, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
+    for _ in range(10):
+        fn()
+    per = []
+    for _ in range(rounds):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+        per.append((time.perf_counter() - t0) / calls * 1e6)
+    return {"min_us": round(min(per), 1), "median_us": round(statistics.median(per), 1)}
+
+
+@contextmanager
+def step_timers(totals: dict):
+    """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
+    from attnjit.ops import _upload, attention, planner as plan_inputs
+
+    targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
+               (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
+               (attention, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
+               (attention._AttentionWrapper, "_prepare_launch", "launch setup"),
+               (attention, "spec_for", "spec + variant"), (attention._AttentionWrapper, "_bind", "spec + variant")]
+    saved = []
+    for owner, attr, label in targets:
+        fn = getattr(owner, attr)
+        saved.append((owner, attr, fn))
+
+        def wrapped(*a, _fn=fn, _label=label, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - t0
+        setattr(owner, attr, wrapped)
+    try:
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+def breakdown(fn, calls: int = 300) -> dict:
+    totals: dict = {}
+    with step_timers(totals):
+        for _ in range(20):
+            fn()
+        totals.clear()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        total = time.perf_counter() - t0
+    out = {k: round(v / calls * 1e6, 1) for k, v in sorted(totals.items())}
+    out["rest"] = round((total - sum(totals.values())) / calls * 1e6, 1)
+    out["total"] = round(total / calls * 1e6, 1)
+    return out
+
+
+def dispatch_overhead(cuda: bool, dev: str) -> dict:
+    """Host us of a call through torch.ops.attnjit against the direct call (issue 13: within 2 us). On a GPU: a
+    decode run() (batch 16) and merge_state, each both ways. Without one (a kernel cannot run): the dispatcher's own
+    cost, an op defined as attnjit's are (torch.library.Library define + impl, tensors in and out) around the same
+    Python body, against calling the body."""
+    if not cuda:
+        lib = torch.library.Library("attnjit_bench", "DEF")
+        lib.define("two(int h, Tensor q, Tensor k, Tensor? v, bool b) -> (Tensor, Tensor)")
+        body = lambda h, q, k, v, b: (q, k)  # noqa: E731
+        lib.impl("two", body, "CPU")
+        q = torch.zeros(4)
+        calls = {"python body": lambda: body(1, q, q, None, True),
+                 "same body through torch.ops": lambda: torch.ops.attnjit_bench.two(1, q, q, None, True)}
+        return {"op": "dispatch", **{n: timed(f, rounds=9, calls=2000)["min_us"] for n, f in calls.items()}}
+    from attnjit.ops import merge
+
+    gen = torch.Generator().manual_seed(0)
+    va, vb = (torch.randn(16, H_Q, D, generator=gen).to(DT).to(dev) for _ in range(2))
+    sa, sb = (torch.randn(16, H_Q, generator=gen).to(dev) for _ in range(2))
+    meta = metadata(16, "decode", "cpu")
+    w, plan = planner("attnjit", "decode", torch.empty(64 << 20, dtype=torch.uint8, device=dev), meta)
+    plan()
+    q = torch.randn(16, H_Q, D, generator=gen).to(DT).to(dev)
+    cache = torch.randn(16 * KV // PS, 2, PS, H_KV, D, dtype=DT, device=dev)
+    out = torch.empty_like(q)
+    calls = {"merge_state direct": lambda: merge.merge_state_eager(va, sa, vb, sb),
+             "merge_state torch.ops": lambda: torch.ops.attnjit.merge_state(va, sa, vb, sb),
+             "decode run direct": lambda: w.run(q, cache, out=out),
+             "decode run torch.ops": lambda: torch.ops.attnjit.batch_run_out(w._handle, q, cache, None, out, None)}
+    return {"op": "dispatch", **{n: timed(f, cuda=True, rounds=9, calls=200)["min_us"] for n, f in calls.items()}}
+
+
+def main() -> dict:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--no-breakdown", action="store_true")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    try:
+        import flashinfer  # noqa: F401
+        names = ("attnjit", "flashinfer") if cuda else ("attnjit",)
+    except ImportError:
+        names = ("attnjit",)
+    wheres = ("host", "device") if cuda else ("host",)
+    rows = []
+    for op in ("decode", "prefill"):
+        for batch in BATCHES:
+            for where in wheres:
+                meta = metadata(batch, op, "cpu" if where == "host" else dev)
+                row = {"op": op, "batch": batch, "metadata": where}
+                for name in names:
+                    fws = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if name == "flashinfer" else ws
+                    _, fn = planner(name, op, fws, meta)
+                    row[name] = timed(fn, cuda=cuda)
+                if "flashinfer" in row:
+                    row["ratio_min"] = round(row["attnjit"]["min_us"] / row["flashinfer"]["min_us"], 2)
+                if not args.no_breakdown and where == "host":
+                    row["attnjit_steps"] = breakdown(planner("attnjit", op, ws, meta)[1])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    fast = []
+    for batch in BATCHES:
+        meta = metadata(batch, "decode", "cpu")
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=dev),
+                                                       "NHD", use_cuda_graph=True)
+        plan = lambda: w.plan(meta["indptr"], meta["indices"], meta["last"], H_Q, H_KV, D, PS,  # noqa: E731
+                              q_data_type=DT)
+        plan()
+        row = {"op": "decode-graph", "batch": batch, "plan": timed(plan, cuda=cuda)}
+        if hasattr(w, "fast_plan"):
+            row["fast_plan"] = timed(lambda: w.fast_plan(meta["indptr"], meta["indices"], meta["last"]), cuda=cuda)
+        fast.append(row)
+        print(json.dumps(row), flush=True)
+    dispatch = dispatch_overhead(cuda, dev)
+    print(json.dumps(dispatch), flush=True)
+    out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
+           "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
+                      "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
+           "dispatch": dispatch}
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

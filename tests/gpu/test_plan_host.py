@@ -1,0 +1,144 @@
+"""plan() on the GPU host (issue 13 item 1): with host metadata it never synchronizes with the device; device
+metadata plans the same work; graph-mode decode replays right after the fast re-plan.
+
+Specs: the decode / paged prefill / ragged prefill bf16 head_dim 128 group 4 specs of cases.py (and the soft-cap and
+ALiBi decode variants), all in specs/gpu-tests.toml.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import attnjit
+from attnjit import reference
+
+from ..helpers import assert_close, i32, make_paged, make_ragged
+
+DEV = "cuda"
+H_Q, H_KV, D, PS = 32, 8, 128, 16
+DT = torch.bfloat16
+
+
+@contextlib.contextmanager
+def no_device_sync():
+    """torch raises on any synchronizing CUDA call inside the block (cudaMemcpy, stream/device synchronize, .item()
+    and the like): plan() with host metadata must not make one."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _host_tables(b):
+    return tuple(i32(x, "cpu") for x in (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len))
+
+
+def test_plan_with_host_metadata_never_synchronizes():
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    b = make_paged((5, 1, 9), (40, 17, 3000), page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                   dtype=DT, device=DEV, seed=1)
+    qo, kvp, idx, last = _host_tables(b)
+    prefill = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+    decode = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+    graph = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=DEV),
+                                                       use_cuda_graph=True)
+    qo_r, kv_r, q_r, k_r, v_r = make_ragged((5, 1, 9), (40, 17, 300), num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                                            dtype=DT, device=DEV, seed=2)
+    ragged = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws)
+    q_dec = b.q[:3].contiguous()
+
+    def plans():
+        prefill.plan(qo, kvp, idx, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
+        prefill.run(b.q, b.cache)
+        decode.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT)
+        decode.run(q_dec, b.cache)
+        decode.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT, logits_soft_cap=30.0)
+        decode.run(q_dec, b.cache)
+        decode.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT, pos_encoding_mode="ALIBI")
+        decode.run(q_dec, b.cache)
+        graph.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT)
+        graph.run(q_dec, b.cache)
+        graph.fast_plan(kvp, idx, last)
+        ragged.plan(i32(qo_r, "cpu"), i32(kv_r, "cpu"), H_Q, H_KV, D, causal=True, q_data_type=DT)
+        ragged.run(q_r, k_r, v_r)
+
+    plans()  # loads the modules and sizes the fixed buffers (which may allocate and synchronize once)
+    with no_device_sync():
+        for _ in range(3):
+            plans()
+    torch.cuda.synchronize()
+
+
+def test_device_metadata_plans_the_same_work_as_host_metadata():
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    b = make_paged((5, 1, 9, 0, 40), (40, 17, 3000, 5, 40), page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV,
+                   head_dim=D, dtype=DT, device=DEV, seed=3)
+    plans = []
+    for where in ("cpu", DEV):
+        tables = tuple(i32(x, where) for x in (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len))
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+        w.plan(*tables, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
+        plans.append((w._plan.work.records.tolist(), w._plan.max_page, w.last_plan))
+        out = w.run(b.q, b.cache)
+        ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                       page_size=PS, causal=True)
+        assert_close(out, ref, DT, what=f"metadata on {where}")
+    assert plans[0] == plans[1]
+
+
+def _tables(kv_lens, pool_pages, seed):
+    import random
+
+    rng = random.Random(seed)
+    ids = list(range(pool_pages))
+    rng.shuffle(ids)
+    indptr, indices, last = [0], [], []
+    for k in kv_lens:
+        n = -(-k // PS)
+        indices += ids[:n]
+        ids = ids[n:]
+        indptr.append(len(indices))
+        last.append(k - PS * (n - 1))
+    return indptr, indices, last
+
+
+def test_cuda_graph_decode_replays_after_fast_plan():
+    """Capture run() once after plan(); each later step only calls fast_plan() with host metadata (other lengths and
+    page tables, a split and an unsplit step among them) and replays: every replay matches the reference."""
+    pool = 3000
+    cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(11)).to(DT).to(DEV)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                                   paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32,
+                                                                                       device=DEV))
+    batch = 6
+    q_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
+    out_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
+    steps = [(5, 17, 64, 100, 1, 33), (9000, 20, 1, 700, 4100, 16), (300, 301, 302, 1, 2, 3), (1, 1, 1, 1, 1, 1)]
+    graph, splits = None, []
+    for step, kv_lens in enumerate(steps):
+        indptr, indices, last = _tables(kv_lens, pool, seed=step)
+        host = (i32(indptr), i32(indices), i32(last))
+        if graph is None:
+            w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT)
+        else:
+            w.fast_plan(*host)
+        splits.append(w.last_plan["split_kv"])
+        q = torch.randn(batch, H_Q, D, generator=torch.Generator().manual_seed(100 + step)).to(DT).to(DEV)
+        q_buf.copy_(q)
+        if graph is None:
+            w.run(q_buf, cache, out=out_buf)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                w.run(q_buf, cache, out=out_buf)
+        out_buf.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=PS)
+        assert_close(out_buf, ref, DT, what=f"replay {step}")
+    assert splits[1] and not splits[0], splits

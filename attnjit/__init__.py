@@ -20,6 +20,7 @@ _EXPORTS = {
     "recording": "dispatch", "Recording": "dispatch", "DispatchRecord": "dispatch",
     "BatchPrefillWithPagedKVCacheWrapper": "ops.attention", "BatchPrefillWithRaggedKVCacheWrapper": "ops.attention",
     "BatchDecodeWithPagedKVCacheWrapper": "ops.attention", "single_prefill_with_kv_cache": "ops.single",
+    "BatchAttentionWithAttentionSinkWrapper": "ops.sinks", "MultiLevelCascadeAttentionWrapper": "ops.cascade",
     "single_decode_with_kv_cache": "ops.single",
     "merge_state": "ops.merge", "merge_state_in_place": "ops.merge", "merge_states": "ops.merge",
     "append_paged_kv_cache": "ops.page", "get_batch_indices_positions": "ops.page",

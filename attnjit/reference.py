@@ -53,13 +53,17 @@ class Positions:
 @dataclass(frozen=True)
 class Hooks:
     """A variant written as plain torch (tests write these independently of the CUDA snippets). Each gets the
-    tensor and a Positions: query(q [Q, H, D]), logits(l [H, Q, K], l = sm_scale * q.k), mask (-> bool
-    broadcastable to [H, Q, K]), output(o [Q, H, D]); use_softmax=False makes the transformed logits the weights."""
+    tensor and a Positions: query(q [Q, H, D]), key(k [K, H_kv, D]), logits(l [H, Q, K], l = sm_scale * q.k), mask
+    (-> bool broadcastable to [H, Q, K]), output(o [Q, H, D]); sink(pos) -> [H] sink logits (a key with a zero value
+    vector in every row's softmax: o = sum_j e^{l_j} v_j / (sum_j e^{l_j} + e^{sink}), lse includes e^{sink});
+    use_softmax=False makes the transformed logits the weights."""
 
     query: Callable | None = None
     logits: Callable | None = None
     mask: Callable | None = None
     output: Callable | None = None
+    key: Callable | None = None
+    sink: Callable | None = None
     use_softmax: bool = True
 
 
@@ -77,7 +81,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q64 = q.double()
     if hooks.query is not None:
         q64 = hooks.query(q64, pos).double()
-    k64 = k.double().repeat_interleave(group, dim=1)  # reference only: the kernels never copy KV heads
+    k64 = k.double()
+    if hooks.key is not None:
+        k64 = hooks.key(k64, pos).double()
+    k64 = k64.repeat_interleave(group, dim=1)  # reference only: the kernels never copy KV heads
     v64 = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * scale  # [H_q, Q, K]
     if hooks.logits is not None:
@@ -92,6 +99,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         lse = torch.zeros(qo_len, h_q, dtype=torch.float64, device=dev)
     else:
         scores = scores.masked_fill(~visible, -math.inf)
+        if hooks.sink is not None:  # one more key per row: logit sink[h], value 0
+            sink = hooks.sink(pos).double().to(dev).reshape(h_q, 1, 1).expand(h_q, qo_len, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+            v64 = torch.cat([v64, torch.zeros_like(v64[:1])], dim=0)
         lse_e = torch.logsumexp(scores, dim=-1)  # [H_q, Q]; -inf where nothing is visible
         probs = torch.exp(scores - lse_e[..., None].clamp_min(-1e300))  # a fully masked row: exp(-inf) = 0
         o = torch.einsum("hqk,khd->qhd", probs, v64)

@@ -24,7 +24,7 @@ DTYPES = ("fp16", "bf16")
 MASKS = ("none", "causal")
 LAYOUTS = ("NHD", "HND")
 KV_KINDS = ("paged", "ragged")
-MAX_PAGE_SIZE = 128
+MAX_PAGE_SIZE = 1024  # any size from 1 (not only powers of two): page_size is a compile-time constant
 MAX_GROUP_SIZE = 64
 DEFAULT_ARCH = "sm_90a"
 MAX_CATALOG_SPECS = 100_000   # a catalog that expands to more is refused (with its count) unless asked for
@@ -172,8 +172,8 @@ class AttentionSpec:
         paged = "page_size" in used and self.kv != "ragged"
         if paged:
             ps = self.page_size
-            if type(ps) is not int or ps < 1 or ps > MAX_PAGE_SIZE or ps & (ps - 1):
-                raise SpecError("page_size", ps, f"expected a power of two from 1 to {MAX_PAGE_SIZE}")
+            if type(ps) is not int or ps < 1 or ps > MAX_PAGE_SIZE:
+                raise SpecError("page_size", ps, f"expected an integer from 1 to {MAX_PAGE_SIZE}")
             if self.layout not in LAYOUTS:
                 raise SpecError("layout", self.layout, f"expected one of {', '.join(LAYOUTS)}")
         elif "page_size" in used:

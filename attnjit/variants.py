@@ -6,18 +6,27 @@
     w.plan(...); out = w.run(q, kv_cache, cap=30.0)
 
 Hooks (each a function body; every snippet sees the variables of HOOK_VARIABLES[hook] and every parameter by its
-own name: scalars as ``float``/``int``, tensors as ``const T*``):
-  query_transform(q)     -> float  each element of a query row before Q K^T (``dim`` is its index); the result is
-                                   stored back in the query's dtype (fp16/bf16) before the matmul
+own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is the spec's head dim):
+  query_transform(q)     -> float  each element of a query row before Q K^T (``dim`` is its index; ``q_pair`` is the
+                                   element HEAD_DIM/2 away, dim +- HEAD_DIM/2: the rotation partner of half-split
+                                   rotary embeddings); the result is stored back in the query's dtype (fp16/bf16)
+  key_transform(k)       -> float  each element of a key row once it is in shared memory (``kv_pos`` its position,
+                                   ``k_pair`` its partner as above), stored back in the key's dtype; V is untouched
   logits_transform(logit) -> float  logit = sm_scale * q.k; the result goes into the softmax (or is the weight,
                                    with use_softmax=False)
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
+  sink()                 -> float  an attention sink: a logit (on the scale of sm_scale * q.k) that joins each row's
+                                   softmax denominator only, as a key whose value is the zero vector, so
+                                   o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) and lse = log2(sum_j e^{s_j} +
+                                   e^{sink}): (o, lse) stays a state merge_state combines exactly (the sink counted
+                                   once); a row with no visible key gives o = 0, lse = sink * log2(e)
 Positions are logical: q_pos = kv_len - qo_len + (query index in its request), so causal is kv_pos <= q_pos.
 Snippets may call attnjit::fast_tanh(x) (the hardware tanh.approx) besides CUDA's math functions.
 
-The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention) are declared below the same way.
+The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention, LLaMA RoPE, attention sinks) are
+declared below the same way.
 A variant's snippets are part of the rendered source, hence of the cache key. Catalogs name a variant by
 ``module:attribute``; that is what ``ref`` resolves to for a variant defined at module level.
 """
@@ -34,17 +43,19 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-HOOKS = ("query_transform", "logits_transform", "logits_mask", "output_transform", "kv_start")
+HOOKS = ("query_transform", "key_transform", "logits_transform", "logits_mask", "output_transform", "kv_start", "sink")
 _POSITIONS = ("q_pos", "kv_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head")
 HOOK_VARIABLES: dict[str, tuple[str, ...]] = {
-    "query_transform": ("q", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
+    "query_transform": ("q", "q_pair", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
+    "key_transform": ("k", "k_pair", "dim", "kv_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
     "logits_transform": ("logit",) + _POSITIONS,
     "logits_mask": _POSITIONS,
     "output_transform": ("o", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "kv_start": ("q_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
+    "sink": ("q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
 }
-HOOK_RETURNS = {"query_transform": "float", "logits_transform": "float", "logits_mask": "bool",
-                "output_transform": "float", "kv_start": "int"}
+HOOK_RETURNS = {"query_transform": "float", "key_transform": "float", "logits_transform": "float",
+                "logits_mask": "bool", "output_transform": "float", "kv_start": "int", "sink": "float"}
 _RESERVED = set(v for vs in HOOK_VARIABLES.values() for v in vs) | {"p", "params"}
 
 # tensor parameters: element type, and what one value is per (so run() can check the length)
@@ -99,7 +110,8 @@ class Variant:
 
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
-                 output_transform: str | None = None, kv_start: str | None = None, use_softmax: bool = True):
+                 output_transform: str | None = None, kv_start: str | None = None, key_transform: str | None = None,
+                 sink: str | None = None, use_softmax: bool = True):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
         declared = {}
@@ -111,9 +123,9 @@ class Variant:
                                  f"({', '.join(sorted(_RESERVED))})")
             declared[pname] = _param_type(pname, kind, name)
         hooks = []
-        for hook, snippet in (("query_transform", query_transform), ("logits_transform", logits_transform),
-                              ("logits_mask", logits_mask), ("output_transform", output_transform),
-                              ("kv_start", kv_start)):
+        for hook, snippet in (("query_transform", query_transform), ("key_transform", key_transform),
+                              ("logits_transform", logits_transform), ("logits_mask", logits_mask),
+                              ("output_transform", output_transform), ("kv_start", kv_start), ("sink", sink)):
             if snippet is None:
                 continue
             if not isinstance(snippet, str) or not snippet.strip():
@@ -126,6 +138,8 @@ class Variant:
         if not use_softmax and not any(h == "logits_transform" for h, _ in hooks):
             raise ValueError(f"variant {name!r}: use_softmax=False needs a logits_transform that returns each key's "
                              "weight (e.g. a sigmoid)")
+        if not use_softmax and any(h == "sink" for h, _ in hooks):
+            raise ValueError(f"variant {name!r}: a sink joins the softmax denominator; use_softmax=False has none")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "params", tuple(declared.items()))
         object.__setattr__(self, "hooks", tuple(hooks))
@@ -235,6 +249,13 @@ def _compose(variants: tuple[Variant, ...]) -> Variant:
                                                                         if p.use_softmax):
         raise ValueError("a use_softmax=False variant's logits_transform gives the weight; it cannot be chained "
                          "after another logits_transform")
+    sinks = [p.name for p in parts if p.hook("sink")]
+    if len(sinks) > 1:
+        raise ValueError(f"variants {' and '.join(sinks)} both declare a sink; a row has one sink logit (declare "
+                         "one sink hook that combines them)")
+    if sinks and not all(p.use_softmax for p in parts):
+        raise ValueError(f"variant {sinks[0]!r} declares a sink, which joins the softmax denominator; a "
+                         "use_softmax=False part leaves no softmax")
     v = object.__new__(Variant)
     object.__setattr__(v, "name", "_".join(p.name for p in parts))
     object.__setattr__(v, "params", tuple(x for p in parts for x in p.params))
@@ -283,6 +304,31 @@ return (packed_custom_mask[mask_indptr[batch_idx] + (bit >> 3)] >> (bit & 7)) & 
 SIGMOID = Variant("sigmoid", params={"sigmoid_scale": float, "sigmoid_bias": float},
                   logits_transform="return 1.f / (1.f + __expf(-(logit * sigmoid_scale + sigmoid_bias)));",
                   use_softmax=False)
+
+# LLaMA rotary embedding (FlashInfer's pos_encoding_mode="ROPE_LLAMA"): the half-split layout, element i paired with
+# i +- D/2, rotated by the angle pos * rope_freqs[i % (D/2)] (q at its q_pos, k at its kv_pos), with
+# rope_freqs[f] = theta^(-2f/D) / rope_scale computed in float64 by plan() (rope_freqs). The angle is reduced to
+# [-pi, pi] (two-part 2 pi) before the fast sin/cos, so its error is that of the fp32 product pos * freq.
+_ROPE = """const int f = dim % (HEAD_DIM / 2);
+float a = float({pos}) * rope_freqs[f];
+const float turns = rintf(a * 0.159154943f);
+a = fmaf(-turns, 6.28318548f, a);
+a = fmaf(-turns, -1.74845553e-7f, a);
+float s, c;
+__sincosf(a, &s, &c);
+return {x} * c + (dim < HEAD_DIM / 2 ? -{pair} : {pair}) * s;"""
+ROPE_LLAMA = Variant("rope_llama", params={"rope_freqs": TensorParam("float32", per="any")},
+                     query_transform=_ROPE.format(pos="q_pos", x="q", pair="q_pair"),
+                     key_transform=_ROPE.format(pos="kv_pos", x="k", pair="k_pair"))
+
+# Attention sinks (gpt-oss; FlashInfer's ``sinks``): one logit per query head in the softmax denominator.
+SINK = Variant("attention_sink", params={"sinks": TensorParam("float32", per="qo_head")},
+               sink="return sinks[qo_head];")
+
+
+def rope_freqs(head_dim: int, rope_scale: float, rope_theta: float) -> list[float]:
+    """ROPE_LLAMA's frequency table: theta^(-2f/D) / rope_scale for f < D/2, as FlashInfer's (in float64)."""
+    return [rope_theta ** (-2.0 * f / head_dim) / rope_scale for f in range(head_dim // 2)]
 
 
 def alibi_slopes(num_heads: int) -> list[float]:

@@ -12,6 +12,7 @@ Timing: CUDA events around 30 back-to-back calls (after 10 warm-up calls), media
 a whole run() (all its launches). Every input is random; KV caches are larger than the 60 MB L2.
 
     python benchmarks/bench.py [--only decode|prefill|variants] [--main-only] [--no-flashinfer] [--json OUT.json]
+    python benchmarks/bench.py --only cascade   # shared-prefix decode (benchmarks/cascade.py; not in the default run)
     python benchmarks/bench.py --sweep      # prefill tile variants (tuning aid; compiles each variant)
     python benchmarks/bench.py --order-sweep   # prefill work orders: request-grouped vs longest-first
 """
@@ -30,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
-from benchmarks import prefill  # noqa: E402
+from benchmarks import cascade, prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
@@ -322,7 +323,7 @@ def table(results, copy_tbps: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decode", "prefill", "variants"])
+    ap.add_argument("--only", choices=["decode", "prefill", "variants", "cascade"])
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
@@ -354,6 +355,10 @@ def main() -> int:
     decode_rows: list[dict] = []
     prefill_rows: list[dict] = []
     variant_rows: list[dict] = []
+    cascade_rows: list[dict] = []
+    if args.only == "cascade":
+        cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(cascade.table(cascade_rows), flush=True)
     if args.only in (None, "decode"):
         bench_decode(fi, DECODE_ROWS, decode_rows)
         print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
@@ -368,13 +373,17 @@ def main() -> int:
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings}
     if args.json:
-        Path(args.json).write_text(json.dumps({"meta": meta, "decode": decode_rows, "prefill": prefill_rows,
-                                               "variants": variant_rows}, indent=1))
+        doc = {"meta": meta, "decode": decode_rows, "prefill": prefill_rows, "variants": variant_rows}
+        if cascade_rows:
+            doc["cascade"] = cascade_rows
+        Path(args.json).write_text(json.dumps(doc, indent=1))
     print(json.dumps(meta))
     if decode_rows:
         print(table(decode_rows, ceilings["copy_tbps"]))
     if prefill_rows:
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]))
+    if cascade_rows:
+        print(cascade.table(cascade_rows))
     if variant_rows:
         print(prefill.variant_table([r for r in variant_rows if r["op"] == "prefill variants"]))
         print(variant_table([r for r in variant_rows if r["op"] != "prefill variants"]))

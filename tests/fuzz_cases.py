@@ -61,19 +61,20 @@ VALID_OPTIONS = {"sm_scale": [None, None, 0.125, 1, np.float32(0.05), 3.0],
                  "disable_split_kv": [False, False, True, None], "non_blocking": [True, False]}
 SCALAR_MUTATIONS = {     # (some of these values are valid on purpose: the oracle decides)
     "head_dim": [96, 0, 512, "128", 128.0, True, np.int64(128)],
-    "page_size": [0, 3, 256, -16, "16", 16.0, True, np.int64(16)],
+    "page_size": [0, 3, 256, 1025, -16, "16", 16.0, True, np.int64(16)],
     "q_data_type": [torch.float32, torch.int32, "float8", 3, None, " FP16 "],
     "o_data_type": [torch.float32, "float64", 7, "bf16"],
     "causal": ["yes", 1, None, np.bool_(True)],
     "sm_scale": [0, -1.0, NAN, INF, True, "0.1", 1e39, 1e-45, 1e-30, np.float64(0.3)],
     "logits_soft_cap": [-1.0, NAN, INF, True, "30", 1e39, 1e-39, 1e-37, 1e38],
     "window_left": [-2, 2 ** 31, True, 4.0, "4", 2 ** 31 - 1],
-    "pos_encoding_mode": ["ROPE_LLAMA", 0, None, "alibi"],
+    "pos_encoding_mode": ["ROPE_LLAMA", "ROPE_GPTJ", 0, None, "alibi"],
     "fixed_split_size": [0, -1, True, 128.0, 2 ** 31, "64", np.int64(64)],
     "disable_split_kv": ["no", 1, 0.0, np.bool_(False)],
     "non_blocking": ["yes", None, 0],
 }
-EXTRA_OPTIONS = [{"rope_scale": 1.0}, {"rope_theta": 1e4}, {"use_fp16_qk_reduction": True}, {"unknown_option": 3},
+EXTRA_OPTIONS = [{"rope_scale": 1.0}, {"rope_theta": 1e4}, {"rope_theta": -1.0}, {"rope_scale": "2"},
+                 {"use_fp16_qk_reduction": True}, {"unknown_option": 3},
                  {"unknown_option": None}, {"rope_scale": None}, {"use_fp16_qk_reduction": np.bool_(False)}]
 _COMMON = ["heads", "head_dim", "q_data_type", "kv_data_type", "o_data_type", "sm_scale", "logits_soft_cap",
            "window_left", "pos_encoding_mode", "fixed_split_size", "disable_split_kv", "non_blocking", "extra",

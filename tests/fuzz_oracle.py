@@ -106,7 +106,7 @@ def _scalars(a: dict, kind: str, bad: set) -> None:
         bad.add("head_dim_vo")
     if kind != "ragged":
         ps = a["page_size"]
-        if not (is_int(ps) and 1 <= ps <= 128 and ps & (ps - 1) == 0):
+        if not (is_int(ps) and 1 <= ps <= 1024):  # any size (issue 14), not only powers of two
             bad.add("page_size")
     q = dtype_of(a.get("q_data_type", "float16"))
     if q is None:
@@ -132,8 +132,12 @@ def _scalars(a: dict, kind: str, bad: set) -> None:
     if w is not None and not (is_int(w) and (w == -1 or 0 <= w <= INT32_MAX)):
         bad.add("window_left")
     mode = a.get("pos_encoding_mode", "NONE")
-    if mode not in ("NONE", "ALIBI") or not isinstance(mode, str):
+    if mode not in ("NONE", "ALIBI", "ROPE_LLAMA") or not isinstance(mode, str):
         bad.add("pos_encoding_mode")
+    for name in ("rope_scale", "rope_theta"):  # checked whatever the mode (FlashInfer ignores them without RoPE)
+        x = a.get(name)
+        if x is not None and not (is_real(x) and math.isfinite(x) and x > 0):
+            bad.add(name)
     f = a.get("fixed_split_size")
     if f is not None and not (is_int(f) and 1 <= f <= MAX_KV_LEN):
         bad.add("fixed_split_size")
@@ -142,7 +146,7 @@ def _scalars(a: dict, kind: str, bad: set) -> None:
         bad.add("disable_split_kv")
     if not is_flag(a.get("non_blocking", True)):
         bad.add("non_blocking")
-    for name in ("rope_scale", "rope_theta", "block_tables", "seq_lens", "unknown_option"):
+    for name in ("block_tables", "seq_lens", "unknown_option"):
         if a.get(name) is not None:
             bad.add(name)
     if a.get("use_fp16_qk_reduction", False) is not False:
@@ -208,8 +212,7 @@ def plan_violations(kind: str, a: dict, device: torch.device, lengths: dict | No
                 kv_lens.append(ps * (pages - 1) + last[i] if pages else 0)
     if kv_lens is not None and any(k > MAX_KV_LEN for k in kv_lens):
         bad |= {n_indptr, n_last} - {None}
-    if kind == "decode" and kv_lens is not None and any(k == 0 for k in kv_lens):
-        bad.add(n_indptr)
+    # a decode request with an empty history is valid (its rows are 0, lse -inf), as in FlashInfer (issue 14)
     masks = [m for m in ("custom_mask", "packed_custom_mask") if a.get(m) is not None]
     if kind == "decode" and kv_lens is not None:
         qo = list(range(len(kv_lens) + 1))
@@ -333,7 +336,7 @@ def append_violations(a: dict) -> set[str]:
     k, v, ps, heads, dim = parts
     if dim not in HEAD_DIMS:
         bad.add("paged_kv_cache")
-    if not (1 <= ps <= 128 and ps & (ps - 1) == 0):
+    if not 1 <= ps <= 1024:
         bad.add("paged_kv_cache")
     if bad:
         return bad

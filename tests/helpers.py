@@ -121,3 +121,72 @@ def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, what: str = "lse") ->
     err = (lse64[fin] - ref[fin]).abs()
     bound = 5e-3 + 1e-4 * ref[fin].abs()
     assert (err <= bound).all(), f"{what}: max error {err.max().item():.3e}"
+
+
+@dataclass
+class CascadeBatch:
+    """A batch in FlashInfer's cascade layout: per level, groups of consecutive requests share pages of one cache."""
+
+    qo_lens: list[int]
+    page_size: int
+    levels: list[dict]       # per level: qo_indptr (rows), kv_indptr, kv_indices, last_page_len (lists)
+    tokens: list[list[tuple[list[int], int]]]  # per request: (page ids, kv_len) of each level, in level order
+    q: torch.Tensor          # [nnz, H_q, D]
+    cache: torch.Tensor      # [P, 2, page, H_kv, D] (NHD)
+
+    def arrays(self, device) -> tuple[list, list, list, list]:
+        """(qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len) as int32 tensors."""
+        return tuple([i32(lv[k], device) for lv in self.levels]
+                     for k in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len"))
+
+    def reference(self, *, causal: bool):
+        """The flat computation: each request over the concatenation of its levels' keys (float64)."""
+        from attnjit import reference
+
+        ck, cv = self.cache[:, 0], self.cache[:, 1]
+        o = torch.zeros(self.q.shape, dtype=torch.float64, device=self.q.device)
+        lse = torch.full(self.q.shape[:2], -math.inf, dtype=torch.float64, device=self.q.device)
+        row = 0
+        for r, qlen in enumerate(self.qo_lens):
+            parts = self.tokens[r]
+            k = torch.cat([reference.gather_pages(ck, ids, n, "NHD") for ids, n in parts])
+            v = torch.cat([reference.gather_pages(cv, ids, n, "NHD") for ids, n in parts])
+            if qlen:
+                o[row:row + qlen], lse[row:row + qlen] = reference.attention(self.q[row:row + qlen], k, v,
+                                                                             causal=causal)
+            row += qlen
+        return o, lse
+
+
+def make_cascade(qo_lens, levels, *, page_size, num_qo_heads, num_kv_heads, head_dim, dtype, device="cpu",
+                 seed=0) -> CascadeBatch:
+    """``levels``: per level, groups (n_requests, kv_len) that partition the requests in order; a group's pages hold
+    its kv_len tokens (the last one partial), read by every request of the group."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = sum(-(-k // page_size) for lv in levels for _, k in lv)
+    ids = list(range(n_pages + 3))
+    rng.shuffle(ids)
+    pos = 0
+    tokens: list[list[tuple[list[int], int]]] = [[] for _ in qo_lens]
+    out_levels = []
+    for lv in levels:
+        assert sum(n for n, _ in lv) == len(qo_lens), "a level's groups cover every request"
+        qo_indptr, kv_indptr, kv_indices, last = [0], [0], [], []
+        r = 0
+        for n, k in lv:
+            pages = -(-k // page_size)
+            mine = ids[pos:pos + pages]
+            pos += pages
+            kv_indices += mine
+            kv_indptr.append(len(kv_indices))
+            last.append(k - page_size * (pages - 1) if pages else 0)
+            qo_indptr.append(qo_indptr[-1] + sum(qo_lens[r:r + n]))
+            for j in range(r, r + n):
+                tokens[j].append((mine, k))
+            r += n
+        out_levels.append(dict(qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, last_page_len=last))
+    q = torch.randn(sum(qo_lens), num_qo_heads, head_dim, generator=gen)
+    cache = torch.randn(n_pages + 3, 2, page_size, num_kv_heads, head_dim, generator=gen)
+    return CascadeBatch(list(qo_lens), page_size, out_levels, tokens, q.to(dtype).to(device),
+                        cache.to(dtype).to(device))

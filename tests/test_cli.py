@@ -74,7 +74,7 @@ def test_warm_reports_a_failed_compile_and_exits_1(tmp_path):
 
 @pytest.mark.parametrize("text,where", [
     ('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n\n[[spec]]\nop = "decode"\nhead_dim = 128\n'
-     'dtype = "bf16"\npage_size = [16, 24]\n', r"\[\[spec\]\] table #2: field 'page_size': 24 is not supported"),
+     'dtype = "bf16"\npage_size = [16, 2000]\n', r"\[\[spec\]\] table #2: field 'page_size': 2000 is not supported"),
     ('[[spec]]\nop = "decode"\nhead_dim = 128\ncolor = "red"\n',
      r"\[\[spec\]\] table #1: field 'color': unknown field"),
     ('[[spec]]\nop = "decode"\nhead_dim = [128\n', r"not valid TOML"),

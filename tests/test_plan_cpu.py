@@ -258,13 +258,18 @@ PAGED_BAD = {
     "float32 kv": (dict(kv_data_type=torch.float32), TypeError, r"kv_data_type=torch.float32 is not supported"),
     "mixed q/kv": (dict(kv_data_type=torch.bfloat16), ValueError, r"kv_data_type=torch.bfloat16 must equal "
                                                                    r"q_data_type=torch.float16"),
-    "page_size 3": (dict(page_size=3), ValueError, r"page_size=3 is not supported: expected a power of two"),
-    "page_size 256": (dict(page_size=256), ValueError, r"page_size=256 is not supported"),
+    "page_size 0": (dict(page_size=0), ValueError, r"page_size=0 is not supported: expected an integer from 1 to 1024"),
+    "page_size 1025": (dict(page_size=1025), ValueError, r"page_size=1025 is not supported"),
     "sm_scale negative": (dict(sm_scale=-1.0), ValueError, r"sm_scale must be a positive finite number, got -1.0"),
     "negative soft cap": (dict(logits_soft_cap=-30.0), ValueError, r"logits_soft_cap must be a positive finite number, got -30.0"),
     "bad window": (dict(window_left=-5), ValueError, r"window_left=-5 must be -1 \(no window\) or a non-negative int"),
-    "rope": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError, r"pos_encoding_mode='ROPE_LLAMA' is not "
-                                                                        r"supported"),
+    "unknown pos encoding": (dict(pos_encoding_mode="ROPE_NEOX"), NotImplementedError,
+                             r"pos_encoding_mode='ROPE_NEOX' is not supported: expected one of NONE, ALIBI, ROPE_LLAMA"),
+    "rope_theta negative": (dict(pos_encoding_mode="ROPE_LLAMA", rope_theta=-1.0), ValueError,
+                            r"rope_theta must be a positive finite number, got -1.0"),
+    "rope_scale a string": (dict(pos_encoding_mode="ROPE_LLAMA", rope_scale="2"), TypeError,
+                            r"rope_scale must be a number"),
+    "sinks not a flag": (dict(sinks=torch.ones(32)), TypeError, r"sinks must be True or False"),
     "custom mask length": (dict(custom_mask=torch.ones(5, dtype=torch.bool)), ValueError,
                            r"custom_mask has 5 elements; the batch needs sum\(qo_len \* kv_len\) = 56"),
     "packed mask length": (dict(packed_custom_mask=torch.ones(3, dtype=torch.uint8)), ValueError,
@@ -293,12 +298,10 @@ DECODE_BAD = {
                                   r"last_page_len\[1\]=9 is outside 1..page_size=4 \(request 1"),
     "negative page id": (dict(indices=[7, -2, 11, 3, 14, 6]), ValueError,
                          r"indices\[1\]=-2 is not a valid page id \(request 0\)"),
-    "empty history": (dict(indptr=[0, 2, 2, 5], indices=[7, 2, 3, 14, 6], last_page_len=[2, 0, 1]), ValueError,
-                      r"request 1 has an empty KV history"),
     "head_dim 96": (dict(head_dim=96), ValueError, r"head_dim=96 is not supported"),
     "group of 5 over 3": (dict(num_qo_heads=5, num_kv_heads=3), ValueError, r"num_qo_heads=5 must be a multiple"),
     "float32": (dict(q_data_type="float32"), TypeError, r"q_data_type='float32' is not supported"),
-    "page_size 3": (dict(page_size=3), ValueError, r"page_size=3"),
+    "page_size 2048": (dict(page_size=2048), ValueError, r"page_size=2048"),
 }
 
 

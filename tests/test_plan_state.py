@@ -165,8 +165,10 @@ def test_fast_plan_checks_what_plan_checks():
     indptr, ids, last = _decode_tables([5, 40])
     with pytest.raises(ValueError, match=r"^last_page_len\[1\]=17 is outside 1..page_size=16"):
         w.fast_plan(indptr, ids, i32([5, 17]))
-    with pytest.raises(ValueError, match=r"^indptr: request 0 has an empty KV history"):
-        w.fast_plan(i32([0, 0, 3]), ids, i32([0, 8]))
+    with pytest.raises(ValueError, match=r"^last_page_len\[0\]=8 but request 0 has no pages"):
+        w.fast_plan(i32([0, 0, 3]), ids, i32([8, 8]))
+    w.fast_plan(i32([0, 0, 3]), ids, i32([0, 8]))  # an empty history is a valid decode request (issue 14)
+    assert sorted(r[10] for r in w._plan.work.records) == [0, 40]
     with pytest.raises(TypeError, match=r"^indices must be int32"):
         w.fast_plan(indptr, ids.long(), last)
     # a replay reads the cache the last run() read: page ids past it are refused (run() checks it on CPU too)

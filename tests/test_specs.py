@@ -38,11 +38,11 @@ BAD_SPECS = [
     (dict(op="decode", head_dim=128, page_size=16, dtype_q="fp16", dtype_kv="fp16", dtype_o="float64"), "dtype_o",
      "'float64'", "fp16, bf16"),
     (dict(PREFILL, dtype_o="fp16"), "dtype_o", "'fp16'", "conflicts with dtype='bf16'"),
-    (dict(PREFILL, page_size=12), "page_size", "12", "power of two from 1 to 128"),
-    (dict(PREFILL, page_size=256), "page_size", "256", "power of two from 1 to 128"),
-    (dict(PREFILL, page_size=0), "page_size", "0", "power of two from 1 to 128"),
-    (dict(PREFILL, page_size=-4), "page_size", "-4", "power of two from 1 to 128"),
-    (dict(PREFILL, page_size=True), "page_size", "True", "power of two from 1 to 128"),
+    (dict(PREFILL, page_size=1025), "page_size", "1025", "an integer from 1 to 1024"),
+    (dict(PREFILL, page_size=12.0), "page_size", "12.0", "an integer from 1 to 1024"),
+    (dict(PREFILL, page_size=0), "page_size", "0", "an integer from 1 to 1024"),
+    (dict(PREFILL, page_size=-4), "page_size", "-4", "an integer from 1 to 1024"),
+    (dict(PREFILL, page_size=True), "page_size", "True", "an integer from 1 to 1024"),
     (dict(PREFILL, group_size=0), "group_size", "0", "from 1 to 64"),
     (dict(PREFILL, group_size=65), "group_size", "65", "from 1 to 64"),
     (dict(op="merge_state", head_dim=64, dtype="fp16", page_size=16), "page_size", "16", "does not use page_size"),
@@ -181,8 +181,9 @@ def test_canonical_form_is_one_string_per_spec():
 def test_replace_revalidates():
     s = AttentionSpec(**PREFILL)
     assert s.replace(page_size=1).page_size == 1
+    assert s.replace(page_size=528).page_size == 528  # any size 1..1024
     with pytest.raises(SpecError, match="page_size"):
-        s.replace(page_size=3)
+        s.replace(page_size=1025)
 
 
 # --- catalogs ---------------------------------------------------------------------------------------------
@@ -269,8 +270,8 @@ BAD_CATALOGS = {
     "unknown-key": ('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n\n'
                     '[[spec]]\nop = "decode"\nheaddim = 128\n', 2, "headdim", "unknown field"),
     "bad-value": ('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n\n'
-                  '[[spec]]\nop = "decode"\nhead_dim = 128\ndtype = "fp16"\npage_size = [16, 24]\n',
-                  2, "page_size", "24 is not supported: expected a power of two"),
+                  '[[spec]]\nop = "decode"\nhead_dim = 128\ndtype = "fp16"\npage_size = [16, 2048]\n',
+                  2, "page_size", "2048 is not supported: expected an integer from 1 to 1024"),
     "bad-head-dim": ('[[spec]]\nop = "decode"\nhead_dim = 96\ndtype = "fp16"\npage_size = 16\n', 1, "head_dim_qk",
                      "96 is not supported: allowed head dims are 64, 128, 256"),
     "missing-op": ('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n\n'

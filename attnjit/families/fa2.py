@@ -29,6 +29,15 @@ def unsupported(spec: "AttentionSpec") -> str | None:
     return None
 
 
+def pages_per_tile_of(cta_kv: int, page_size: int) -> int:
+    """Page ids a KV tile (cta_kv tokens from a multiple of cta_kv) can touch: paged.cuh's pages_per_tile()."""
+    if cta_kv % page_size == 0:
+        return cta_kv // page_size
+    if page_size % cta_kv == 0:
+        return 1
+    return (cta_kv - 1) // page_size + 2  # neither divides the other: the tile may start mid-page
+
+
 @dataclass(frozen=True)
 class Tile:
     """One fa2 kernel instance's tiling; mirrors ``AttentionTraits`` (the template static_asserts it)."""
@@ -60,7 +69,7 @@ class Tile:
         d = self.head_dim
         pipe = 2 * self.stages * self.cta_kv * d * 2
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
-        pages_per_tile = (self.cta_kv // self.page_size if self.cta_kv > self.page_size else 1) if self.page_size else 0
+        pages_per_tile = pages_per_tile_of(self.cta_kv, self.page_size) if self.page_size else 0
         page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
         return self.cta_q * d * 2 + page_smem + max(pipe, merge)
 

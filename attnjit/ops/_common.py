@@ -109,8 +109,8 @@ def check_head_dim(name: str, value: Any) -> int:
 
 
 def check_page_size(value: Any) -> int:
-    if type(value) is not int or value < 1 or value > MAX_PAGE_SIZE or value & (value - 1):
-        raise ValueError(f"page_size={value!r} is not supported: expected a power of two from 1 to {MAX_PAGE_SIZE}")
+    if type(value) is not int or value < 1 or value > MAX_PAGE_SIZE:
+        raise ValueError(f"page_size={value!r} is not supported: expected an integer from 1 to {MAX_PAGE_SIZE}")
     return value
 
 

@@ -43,9 +43,11 @@ class Plan:
     attn_values: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors the kernels read; alive as long as the plan
     sched: dict = field(default_factory=dict)  # plan_work's arguments that do not depend on the lengths
+    settings: dict = field(default_factory=dict)  # what plan() fixed, by FlashInfer's names (compat.plan_settings)
+    extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
 
     def decision(self) -> dict:
-        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads)}
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
 
 
 def vector_ready(t: torch.Tensor) -> bool:

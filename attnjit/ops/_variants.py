@@ -68,13 +68,34 @@ def _alibi_slopes(num_heads: int, device: torch.device) -> torch.Tensor:
     return slopes
 
 
+_FREQS: dict[tuple[int, float, float, torch.device], torch.Tensor] = {}
+
+
+def _rope_freqs(head_dim: int, rope_scale: float, rope_theta: float, device: torch.device) -> torch.Tensor:
+    """ROPE_LLAMA's frequency table on device (made once per (head_dim, scale, theta): the kernels only read it)."""
+    key = (head_dim, rope_scale, rope_theta, device)
+    freqs = _FREQS.get(key)
+    if freqs is None:
+        if len(_FREQS) > 64:
+            _FREQS.clear()
+        freqs = _FREQS[key] = _on_device(V.rope_freqs(head_dim, rope_scale, rope_theta), torch.float32, device)
+    return freqs
+
+
 def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: int | None, pos_encoding_mode: str,
          custom_mask: torch.Tensor | None, packed_custom_mask: torch.Tensor | None, qo_lens, kv_lens,
-         num_qo_heads: int, device: torch.device) -> Binding:
+         num_qo_heads: int, device: torch.device, head_dim: int = 0, rope_scale: float = 1.0,
+         rope_theta: float = 1e4, sinks: bool = False) -> Binding:
     """The plan's variant: the wrapper's own (if any) composed with the built-ins FlashInfer's arguments ask for.
-    The scalars arrive checked (planner.plan_options): None is off."""
+    The scalars arrive checked (planner.plan_options): None is off. ROPE_LLAMA rotates q and k first (before a user
+    variant's transforms see them); ``sinks`` adds the sink whose values run() takes (``sinks=``)."""
     parts: list[Variant] = [user] if user is not None else []
     b = Binding()
+    if pos_encoding_mode == "ROPE_LLAMA":
+        parts.insert(0, V.ROPE_LLAMA)
+        freqs = _rope_freqs(head_dim, rope_scale, rope_theta, device)
+        b.bound["rope_freqs"] = freqs
+        b.keep.append(freqs)
     if logits_soft_cap is not None:
         parts.append(V.SOFTCAP)
         b.bound["logits_soft_cap"] = float(logits_soft_cap)
@@ -117,9 +138,25 @@ def bind(*, user: Variant | None, logits_soft_cap: float | None, window_left: in
         b.bound["packed_custom_mask"] = packed
         b.bound["mask_indptr"] = mask_indptr
         b.keep += [packed, mask_indptr]
+    if sinks:
+        parts.append(V.SINK)
     if parts:
         b.variant = V.compose(*parts)
     return b
+
+
+def with_sinks(plan: Any, variant_params: dict[str, Any], sinks: Any) -> dict[str, Any]:
+    """run()'s ``sinks=`` (FlashInfer's argument) as the plan's sink parameter. A plan without the sink hook cannot
+    honour it (the sink is compiled in), so it is an error there, never ignored; a plan with it requires it."""
+    if sinks is None or plan is None:
+        return variant_params
+    variant = plan.binding.variant
+    if variant is None or "sinks" not in plan.binding.required or not any(p.hook("sink") for p in variant.parts):
+        raise ValueError("run(sinks=...): this plan has no attention sink; the sink changes the kernel, which plan() "
+                         "chooses: pass sinks=True to plan() (or use attnjit.BatchAttentionWithAttentionSinkWrapper)")
+    if "sinks" in variant_params:
+        raise TypeError("run() got the sinks twice")
+    return {**variant_params, "sinks": sinks}
 
 
 _INT32 = (-(1 << 31), (1 << 31) - 1)

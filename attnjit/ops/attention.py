@@ -29,7 +29,8 @@ from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, chec
                       check_vectors, spec_for, unpack_paged_cache, unsupported, with_family)
 from ._running import Plan, check_q_out, launch, variant_args, vector_ready
 from ._upload import MetadataBuffers
-from ._variants import Binding, bind, check_value
+from ._variants import Binding, bind, check_value, with_sinks
+from .compat import FlashInferAliases, plan_settings
 from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
 
 _LOG2E = 1.4426950408889634
@@ -46,7 +47,7 @@ def _arch_for(device: torch.device) -> str:
     return knobs.ARCH.get() or DEFAULT_ARCH
 
 
-class _AttentionWrapper:
+class _AttentionWrapper(FlashInferAliases):
     """State shared by the three batch wrappers: workspace, layout, CUDA-graph buffers, the current plan."""
 
     _op = "prefill"
@@ -109,6 +110,10 @@ class _AttentionWrapper:
     def is_cuda_graph_enabled(self) -> bool:
         return self._use_cuda_graph
 
+    def _decision_extra(self) -> dict:
+        """What this wrapper adds to the plan's decisions (the dispatch record's ``plan``)."""
+        return {}
+
     @property
     def last_plan(self) -> dict | None:
         """The current plan's decisions (tile, split-KV, work items): what the dispatch record carries."""
@@ -117,12 +122,13 @@ class _AttentionWrapper:
     # --- plan ---------------------------------------------------------------------------------------------
 
     def _bind(self, batch: P.Batch, num_qo_heads: int, opts: P.PlanOptions, custom_mask=None,
-              packed_custom_mask=None) -> Binding:
+              packed_custom_mask=None, *, head_dim: int, sinks: Any = False) -> Binding:
         """The wrapper's variant with the built-ins that FlashInfer's feature arguments ask for."""
         return bind(user=self._variant, logits_soft_cap=opts.logits_soft_cap, window_left=opts.window_left,
                     pos_encoding_mode=opts.pos_encoding_mode, custom_mask=custom_mask,
                     packed_custom_mask=packed_custom_mask, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
-                    num_qo_heads=num_qo_heads, device=self._device)
+                    num_qo_heads=num_qo_heads, device=self._device, head_dim=head_dim, rope_scale=opts.rope_scale,
+                    rope_theta=opts.rope_theta, sinks=P.as_flag("sinks", sinks, none=False))
 
     def _finish_plan(self, *, spec: AttentionSpec, batch: P.Batch, num_qo_heads: int, num_kv_heads: int,
                      dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions,
@@ -171,6 +177,8 @@ class _AttentionWrapper:
                      variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
                                     "request+1": size + 1, "qo_token": total_q}, sched=sched)
         plan.keep += binding.keep
+        plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
+        plan.extra = self._decision_extra()
         plan.layout = attention_layout(spec.variant)
         kinds = binding.kinds()
         plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
@@ -301,8 +309,9 @@ class _PagedMixin:
         wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None or sinks is not None:
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+        if q_scale is not None or k_scale is not None or v_scale is not None:
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
             if window_left is not None:
                 raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
@@ -317,9 +326,6 @@ class _PagedMixin:
         self._require_gpu(plan)
         launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
         return (out, lse) if return_lse else out
-
-    def forward(self, *args: Any, **kwargs: Any):
-        return self.run(*args, **kwargs)
 
     _op_kind = "paged"
 
@@ -393,15 +399,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
              sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             **unused: Any) -> None:
+             sinks: bool = False, **unused: Any) -> None:
         """Plan a batch of prefill/append/mixed requests over a paged KV cache.
 
         qo_indptr: [B+1] int32, request i's query rows are qo_indptr[i]:qo_indptr[i+1] of q. paged_kv_indptr: [B+1]
         int32 offsets into paged_kv_indices. paged_kv_indices: [*] int32 page ids in logical order.
         paged_kv_last_page_len: [B] int32 in 1..page_size (0 for a request with no pages). KV length of request i = page_size * (pages - 1) + last,
         including the new tokens. causal is bottom-right aligned (query row t of Q sees key j iff j <= K - Q + t).
-        logits_soft_cap, window_left, pos_encoding_mode="ALIBI", custom_mask / packed_custom_mask are built-in
-        variants (FlashInfer's semantics); sm_scale defaults to 1/sqrt(head_dim).
+        logits_soft_cap, window_left, pos_encoding_mode="ALIBI" or "ROPE_LLAMA" (rope_scale, rope_theta),
+        custom_mask / packed_custom_mask are built-in variants (FlashInfer's semantics); sm_scale defaults to
+        1/sqrt(head_dim). sinks=True adds an attention sink whose values run() takes (``sinks=``; ops/sinks.py).
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
         and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
@@ -410,8 +417,7 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
         captured around run() replays the new plan.
         """
-        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                    **unused)
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
         page_size = P.plan_page_size(page_size)
@@ -419,10 +425,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         batch = self._read_paged(_PAGED_NAMES, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  page_size)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask)
+        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
+                             sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             P.check_causal("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len", batch)
@@ -448,20 +455,30 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant, backend=backend, tile=tile)
+        self._use_tensor_cores = P.as_flag("use_tensor_cores", use_tensor_cores)
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
+
+    @property
+    def use_tensor_cores(self) -> bool:
+        """FlashInfer's flag (it picks a prefill kernel for decode). attnjit's decode kernels use the tensor cores
+        (mma.sync) either way; the plan's decisions record both (``use_tensor_cores``, ``tensor_cores``)."""
+        return self._use_tensor_cores
+
+    def _decision_extra(self) -> dict:
+        return {"use_tensor_cores": self._use_tensor_cores, "tensor_cores": True}
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
              num_kv_heads: int, head_dim: int, page_size: int, pos_encoding_mode: str = "NONE", window_left: int = -1,
              logits_soft_cap: float | None = None, q_data_type="float16", kv_data_type=None, data_type=None,
              sm_scale: float | None = None, rope_scale=None, rope_theta=None, non_blocking: bool = True,
              block_tables=None, seq_lens=None, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             o_data_type=None, **unused: Any) -> None:
+             o_data_type=None, sinks: bool = False, **unused: Any) -> None:
         """Plan a decode batch (one query row per request) over a paged KV cache.
 
         indptr: [B+1] int32 offsets into indices. indices: [*] int32 page ids in logical order. last_page_len: [B]
-        int32 in 1..page_size. The GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long
+        int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long
         histories are split across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
@@ -471,8 +488,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
         captured around run() replays the new plan.
         """
-        unsupported(rope_scale=rope_scale, rope_theta=rope_theta, block_tables=block_tables, seq_lens=seq_lens,
-                    **unused)
+        unsupported(block_tables=block_tables, seq_lens=seq_lens, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim", head_dim)
         page_size = P.plan_page_size(page_size)
@@ -483,9 +499,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         batch = self._read_decode(indptr, indices, last_page_len, page_size)
-        binding = self._bind(batch, num_qo_heads, opts)
+        binding = self._bind(batch, num_qo_heads, opts, head_dim=head_dim, sinks=sinks)
         q_dtype, kv_dtype, o_dtype = dtypes
         spec = spec_for(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
                         dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
@@ -495,11 +511,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
 
 
     def _read_decode(self, indptr, indices, last_page_len, page_size: int) -> P.Batch:
-        batch = self._read_paged(_DECODE_NAMES, None, indptr, indices, last_page_len, page_size)
-        if batch.batch_size and not batch.kv_lens.all():
-            raise ValueError(f"indptr: request {int(np.flatnonzero(batch.kv_lens == 0)[0])} has an empty KV history; "
-                             "decode needs at least the current token's key (append it before planning)")
-        return batch
+        # a request with an empty KV history (no pages) is allowed, as in FlashInfer: its rows are 0, lse -inf
+        return self._read_paged(_DECODE_NAMES, None, indptr, indices, last_page_len, page_size)
 
     def fast_plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor) -> None:
         """Graph mode: re-plan the last plan() for new lengths and page tables of the same batch size.
@@ -553,7 +566,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
              window_left: int = -1, logits_soft_cap: float | None = None, sm_scale: float | None = None,
              rope_scale=None, rope_theta=None, q_data_type="float16", kv_data_type=None, o_data_type=None,
              non_blocking: bool = True, fixed_split_size: int | None = None, disable_split_kv: bool = False,
-             **unused: Any) -> None:
+             sinks: bool = False, **unused: Any) -> None:
         """Plan a batch of prefill requests whose K/V are contiguous rows of ragged [nnz_kv, H_kv, D] tensors.
 
         qo_indptr: [B+1] int32 (query rows per request), kv_indptr: [B+1] int32 (key rows per request, including
@@ -566,22 +579,22 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
         captured around run() replays the new plan.
         """
-        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, rope_scale=rope_scale, rope_theta=rope_theta,
-                    **unused)
+        unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group = P.check_heads(num_qo_heads, num_kv_heads)
         head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
         dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
         opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
                               window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                              non_blocking=non_blocking)
+                              non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         P.check_meta("qo_indptr", qo_indptr, self._device)
         P.check_meta("kv_indptr", kv_indptr, self._device)
         qo_h, kv_h = P.to_host(qo_indptr, kv_indptr)
         qo = P.read_qo_indptr("qo_indptr", qo_h)
         P.check_meta("kv_indptr", kv_indptr, self._device, len(qo))
         batch = P.read_ragged("kv_indptr", qo, kv_h)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask)
+        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
+                             sinks=sinks)
         causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
         if causal:
             P.check_causal("qo_indptr", "kv_indptr", batch)
@@ -593,11 +606,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                           dtypes=dtypes, opts=opts, page_ids=None, binding=binding)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, **variant_params: Any):
+            return_lse: bool = False, enable_pdl=None, sinks=None, **variant_params: Any):
         """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] -> out [nnz_qo, H_q, D] (and lse with return_lse). The
         wrapper's variant takes its parameters here by name."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
+        variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
             return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
         plan = self._current_plan(variant_params, return_lse, lse)
@@ -616,5 +630,4 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
         return (out, lse) if return_lse else out
 
-    forward = run
     _op_kind = "ragged"

@@ -9,6 +9,7 @@ from .. import dispatch
 from ..generator import PARAMS
 from ._common import (SPEC_DTYPE, check_head_dim, check_layout, check_metadata, check_page_size, check_tensor,
                       check_vectors, require_cuda, spec_for, unpack_paged_cache)
+from ..specs import MAX_PAGE_SIZE
 from .planner import check_indptr
 
 _INT32_MAX = (1 << 31) - 1
@@ -74,8 +75,8 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
     try:
         check_page_size(cache.page_size)
     except ValueError:
-        raise ValueError(f"paged_kv_cache has page_size={cache.page_size} ({kv_layout} layout); expected a power of "
-                         "two from 1 to 128") from None
+        raise ValueError(f"paged_kv_cache has page_size={cache.page_size} ({kv_layout} layout); expected an "
+                         f"integer from 1 to {MAX_PAGE_SIZE}") from None
     dev = cache.k.device
     for name, t in (("append_key", append_key), ("append_value", append_value)):
         check_tensor(name, t, dtype=cache.k.dtype, dim=3, device=dev)

@@ -38,6 +38,7 @@ LIMITS = {"heads": MAX_HEADS, "group": MAX_GROUP_SIZE, "qo_rows": MAX_QO_ROWS, "
           "work_items": MAX_WORK_ITEMS}
 
 _LOG2E = 1.4426950408889634
+POS_ENCODINGS = ("NONE", "ALIBI", "ROPE_LLAMA")
 _F32_MAX = 3.4028234663852886e38
 _F32_TINY = 2.0 ** -126  # smallest normal float32: below it a scale flushes to 0 in the kernel
 
@@ -118,15 +119,18 @@ class PlanOptions:
     sm_scale: float                 # already defaulted to 1/sqrt(head_dim)
     logits_soft_cap: float | None   # None: off
     window_left: int | None         # None: no window
-    pos_encoding_mode: str          # NONE | ALIBI
+    pos_encoding_mode: str          # NONE | ALIBI | ROPE_LLAMA
     causal: bool
     fixed_split_size: int | None
     disable_split_kv: bool
+    rope_scale: float = 1.0         # ROPE_LLAMA: positions are divided by it (FlashInfer's default 1)
+    rope_theta: float = 1e4         # ROPE_LLAMA: the frequency base (FlashInfer's default 1e4)
 
 
 def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = None, window_left: Any = -1,
                  pos_encoding_mode: Any = "NONE", causal: Any = False, fixed_split_size: Any = None,
-                 disable_split_kv: Any = False, non_blocking: Any = True) -> PlanOptions:
+                 disable_split_kv: Any = False, non_blocking: Any = True, rope_scale: Any = None,
+                 rope_theta: Any = None) -> PlanOptions:
     if sm_scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     else:
@@ -149,10 +153,18 @@ def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = 
                 raise ValueError(f"window_left={w} must be -1 (no window) or a non-negative int32 (<= {INT32_MAX})")
             window = w
     if not isinstance(pos_encoding_mode, str):
-        raise TypeError(f"pos_encoding_mode must be a string ('NONE' or 'ALIBI'), got {pos_encoding_mode!r}")
-    if pos_encoding_mode not in ("NONE", "ALIBI"):
-        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported (NONE or ALIBI; apply "
-                                  "RoPE to q and k before attention, or declare it as a query_transform variant)")
+        raise TypeError(f"pos_encoding_mode must be a string ('NONE', 'ALIBI' or 'ROPE_LLAMA'), got "
+                        f"{pos_encoding_mode!r}")
+    if pos_encoding_mode not in POS_ENCODINGS:
+        raise NotImplementedError(f"pos_encoding_mode={pos_encoding_mode!r} is not supported: expected one of "
+                                  f"{', '.join(POS_ENCODINGS)} (other rotary layouts: apply them to q and k before "
+                                  "attention, or declare a query_transform/key_transform variant)")
+    rope = {}
+    for name, value, default in (("rope_scale", rope_scale, 1.0), ("rope_theta", rope_theta, 1e4)):
+        x = default if value is None else as_real(name, value)
+        if not (math.isfinite(x) and x > 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+        rope[name] = x
     split = None
     if fixed_split_size is not None:
         split = as_int("fixed_split_size", fixed_split_size)
@@ -161,7 +173,7 @@ def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = 
     as_flag("non_blocking", non_blocking)
     return PlanOptions(sm_scale=scale, logits_soft_cap=cap, window_left=window, pos_encoding_mode=pos_encoding_mode,
                        causal=as_flag("causal", causal), fixed_split_size=split,
-                       disable_split_kv=as_flag("disable_split_kv", disable_split_kv, none=False))
+                       disable_split_kv=as_flag("disable_split_kv", disable_split_kv, none=False), **rope)
 
 
 # --- metadata ----------------------------------------------------------------------------------------------

@@ -98,6 +98,15 @@ PAGED = [
     replace(_P, name="paged-shared-prefix", shared_prefix=True),
     replace(_P, name="paged-logits+1000", offset=1000.0),
     replace(_P, name="paged-logits-1000-fp16", offset=-1000.0, dtype=F16),
+    # any page size (issue 14): tiles of 64 (fa2) or 128 (sm90) tokens against pages that do not nest with them
+    # start mid-page and span two or three pages; 1024 holds a whole request
+    replace(_P, name="paged-p3", page_size=3),
+    replace(_P, name="paged-p5-fp16-noncausal", page_size=5, dtype=F16, causal=False),
+    replace(_P, name="paged-p48", page_size=48),
+    replace(_P, name="paged-p48-hnd-split-forced", page_size=48, layout="HND", split="force"),
+    replace(_P, name="paged-p528-split-forced", page_size=528, split="force"),
+    replace(_P, name="paged-d256-p528-fp16", head_dim=256, page_size=528, dtype=F16),
+    replace(_P, name="paged-p1024", page_size=1024),
 ]
 RAGGED = [
     _R,
@@ -133,6 +142,12 @@ DECODE = [
     replace(_D, name="decode-shared-prefix", kv_lens=DEC_MED, shared_prefix=True),
     replace(_D, name="decode-logits+1000", offset=1000.0, kv_lens=DEC_MED),
     replace(_D, name="decode-logits-1000-fp16", offset=-1000.0, dtype=F16, kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p3", page_size=3, kv_lens=DEC_MED),
+    replace(_D, name="decode-p5-fp16", page_size=5, dtype=F16),
+    replace(_D, name="decode-p48", page_size=48, kv_lens=DEC_MED),
+    replace(_D, name="decode-p48-hnd-split-forced", page_size=48, layout="HND", kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p528-split-forced", page_size=528, kv_lens=DEC_MED, split="force"),
+    replace(_D, name="decode-p1024", page_size=1024, kv_lens=DEC_MED),
 ]
 ALL = PAGED + RAGGED + DECODE
 # every case on each of its families: the matrix the GPU tests run
@@ -148,7 +163,8 @@ EXTRA_SPECS = [
     AttentionSpec(op="merge_state", head_dim=hd, dtype=dt) for hd in (64, 128, 256) for dt in ("fp16", "bf16")
 ] + [
     AttentionSpec(op="append_kv", head_dim=128, page_size=ps, dtype=dt, layout=lay)
-    for ps, dt, lay in ((16, "bf16", "NHD"), (1, "fp16", "NHD"), (16, "fp16", "HND"), (8, "bf16", "HND"))
+    for ps, dt, lay in ((16, "bf16", "NHD"), (1, "fp16", "NHD"), (16, "fp16", "HND"), (8, "bf16", "HND"),
+                        (48, "bf16", "NHD"), (5, "fp16", "HND"))
 ] + [
     AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
     AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="causal"),
@@ -216,6 +232,51 @@ VARIANTS = [
 
 VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
 
+
+# --- issue 14: RoPE inside attention, attention sinks (tests/gpu/test_serving.py) ----------------------------------
+
+@dataclass(frozen=True)
+class ServingCase:
+    name: str
+    kind: str                   # paged | ragged | decode | sink_wrapper (paged, FlashInfer's sink wrapper)
+    feature: str                # rope | rope_scaled | sink | sink_window
+    causal: bool = True
+    split: str = "auto"
+    dtype: torch.dtype = torch.bfloat16
+
+    @property
+    def builtin_variant(self):
+        """The variant plan() composes for the feature (ROPE_LLAMA first, the sink last)."""
+        return {"rope": builtin.ROPE_LLAMA, "rope_scaled": builtin.ROPE_LLAMA, "sink": builtin.SINK,
+                "sink_window": builtin.compose(builtin.SLIDING_WINDOW, builtin.SINK)}[self.feature]
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        return ("fa2",) if self.kind == "decode" else FAMILIES
+
+    def spec(self, family: str = "fa2") -> AttentionSpec:
+        kind = "paged" if self.kind == "sink_wrapper" else self.kind
+        base = replace(_P if kind == "paged" else _R if kind == "ragged" else _D, dtype=self.dtype,
+                       causal=self.causal and kind != "decode")
+        return base.spec(family).replace(variant=self.builtin_variant)
+
+
+SERVING = [
+    ServingCase("rope-paged", "paged", "rope"),
+    ServingCase("rope-scaled-paged-noncausal-split", "paged", "rope_scaled", False, "force"),
+    ServingCase("rope-ragged-fp16", "ragged", "rope", dtype=torch.float16),
+    ServingCase("rope-decode", "decode", "rope"),
+    ServingCase("rope-scaled-decode-split", "decode", "rope_scaled", split="force"),
+    ServingCase("sink-paged", "paged", "sink"),
+    ServingCase("sink-window-paged-split", "paged", "sink_window", split="force"),
+    ServingCase("sink-ragged-noncausal", "ragged", "sink", False),
+    ServingCase("sink-decode", "decode", "sink"),
+    ServingCase("sink-window-decode-split", "decode", "sink_window", split="force"),
+    ServingCase("sink-wrapper-window", "sink_wrapper", "sink_window"),
+    ServingCase("sink-wrapper-fp16-noncausal", "sink_wrapper", "sink", False, dtype=torch.float16),
+]
+SERVING_MATRIX = [(c, f) for c in SERVING for f in c.families]
+
 # What tests/gpu/test_views.py compiles (views of every argument of every op; issue 10).
 _VIEW_BASE = dict(head_dim=128, page_size=16, dtype="bf16", group_size=4)
 VIEW_SPECS = [
@@ -260,7 +321,9 @@ def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
     tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX]
-    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles:
+    serving = [c.spec(f) for c, f in SERVING_MATRIX]
+    for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles \
+            + serving:
         if s not in out:
             out.append(s)
     return out

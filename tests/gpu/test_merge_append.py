@@ -91,7 +91,8 @@ def test_merge_states(n):
 
 
 @pytest.mark.parametrize("layout,page_size,dtype", [("NHD", 16, torch.bfloat16), ("NHD", 1, torch.float16),
-                                                     ("HND", 16, torch.float16), ("HND", 8, torch.bfloat16)])
+                                                     ("HND", 16, torch.float16), ("HND", 8, torch.bfloat16),
+                                                     ("NHD", 48, torch.bfloat16), ("HND", 5, torch.float16)])
 def test_append_paged_kv_cache(layout, page_size, dtype):
     gen = torch.Generator().manual_seed(page_size)
     seq_lens = [7, 1, 40, 16]          # KV length after the append

@@ -14,8 +14,6 @@ namespace attnjit {
 template <typename T, int HEAD_DIM, int PAGE_SIZE, bool HND, typename P>
 __device__ __forceinline__ void append_kv_body(const P& p) {
   constexpr int VEC_PER_ROW = HEAD_DIM / 8;
-  static_assert((PAGE_SIZE & (PAGE_SIZE - 1)) == 0, "page_size must be a power of two");
-  constexpr int SHIFT = ilog2(PAGE_SIZE);
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t token_head = tid / VEC_PER_ROW;
   const int vec = static_cast<int>(tid % VEC_PER_ROW);
@@ -26,11 +24,11 @@ __device__ __forceinline__ void append_kv_body(const P& p) {
   const int pos = reinterpret_cast<const int32_t*>(p.positions)[token];
   if (b < 0 || b >= p.batch_size || pos < 0) return;
   const int32_t* indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
-  const int64_t iter = indptr[b] + (pos >> SHIFT);
+  const int64_t iter = indptr[b] + page_of<PAGE_SIZE>(pos);  // any page size 1..1024 (attnjit/paged.cuh)
   if (iter >= indptr[b + 1]) return;
   const int64_t page = reinterpret_cast<const int32_t*>(p.kv_indices)[iter];
   if (page < 0 || page >= p.num_pages) return;
-  const int64_t dst = paged_offset<HND, HEAD_DIM>(page, pos & (PAGE_SIZE - 1), head, p.cache_stride_page,
+  const int64_t dst = paged_offset<HND, HEAD_DIM>(page, slot_of<PAGE_SIZE>(pos), head, p.cache_stride_page,
                                                   p.cache_stride_inner) + vec * 8;
   const int64_t src_k = token * p.k_stride_n + head * p.k_stride_h + vec * 8;
   const int64_t src_v = token * p.v_stride_n + head * p.v_stride_h + vec * 8;

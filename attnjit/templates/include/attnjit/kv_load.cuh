@@ -1,6 +1,6 @@
 // attnjit/kv_load.cuh: copying Q, K and V tiles (paged or ragged) into shared memory with cp.async, shared by every
 // kernel family. A family describes its tiles with a geometry struct G:
-//   T, HEAD_DIM, GROUP, CTA_Q, CTA_KV, PAGED, PAGE_SIZE, PAGE_SHIFT, HND, PAGES_PER_TILE, PAGE_RING,
+//   T, HEAD_DIM, GROUP, CTA_Q, CTA_KV, PAGED, PAGE_SIZE, HND, PAGES_PER_TILE, PAGE_RING,
 //   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1),
 //   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP (the tile layouts, see tile_offset).
 // Threads copy 8 to a row: thread tid copies chunks tid % 8 + 8 j (j < HEAD_DIM / 64) of rows tid / 8 + s * RPP
@@ -8,7 +8,8 @@
 // serves a row's HEAD_DIM / 64 copies.
 //
 // Paged KV: page ids of a tile are staged in a shared ring (PAGE_RING tiles of PAGES_PER_TILE ids) by cp.async some
-// tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile.
+// tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile. Slot k
+// of a tile's ring entry holds page page_of(kv0) + k (any page size, attnjit/paged.cuh).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/paged.cuh"
@@ -67,23 +68,63 @@ __device__ __forceinline__ void gather_q(const Item& it, uint32_t base, unsigned
 }
 
 // Apply the variant's query transform to the Q tile in shared memory (once per work item, before use), on
-// `nthreads` threads.
+// `nthreads` threads. A thread transforms both chunks of a rotation pair (c and c + CHUNKS/2: dims d and d + D/2),
+// two elements (4 bytes) of each at a time, reading both before it writes either, so the in-place transform has no
+// race between the halves of a row and holds few registers (it runs beside the live O accumulators).
 template <typename G, typename Item>
 __device__ __forceinline__ void transform_q_tile(const Item& it, uint8_t* q_tile, unsigned tid, int nthreads) {
   using T = typename G::T;
-  constexpr int CHUNKS = G::HEAD_DIM / 8;
-  for (int i = tid; i < G::CTA_Q * CHUNKS; i += nthreads) {
-    const int r = i / CHUNKS, c = i % CHUNKS;
+  constexpr int HALF = G::HEAD_DIM / 16;  // chunks in half a row
+#pragma unroll 1
+  for (int i = tid; i < G::CTA_Q * HALF; i += nthreads) {
+    const int r = i / HALF, c = i % HALF;
     const int pr = it.packed_row0 + r;
     if (pr >= it.rows_total) continue;
-    T* ptr = reinterpret_cast<T*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c));
-    float x[8];
-    load8<T>(ptr, x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      x[e] = it.var.query_transform(x[e], c * 8 + e, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req, it.qo_head_of(pr),
-                                    it.kv_head);
-    store8<T>(ptr, x);
+    uint32_t* lo = reinterpret_cast<uint32_t*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c));
+    uint32_t* hi = reinterpret_cast<uint32_t*>(q_tile + tile_offset<G::Q_PITCH, G::Q_STEP>(r, c + HALF));
+    const int q_pos = it.q_pos_of(pr), qo_head = it.qo_head_of(pr);
+#pragma unroll 1
+    for (int w = 0; w < 4; ++w) {
+      const float2 a = unpack2<T>(lo[w]), b = unpack2<T>(hi[w]);
+      float a0 = a.x, a1 = a.y, b0 = b.x, b1 = b.y;
+      const int d = c * 8 + 2 * w;
+      it.var.query_transform_pair(a0, b0, d, d + G::HEAD_DIM / 2, q_pos, it.qo_len, it.kv_len, it.req, qo_head,
+                                  it.kv_head);
+      it.var.query_transform_pair(a1, b1, d + 1, d + 1 + G::HEAD_DIM / 2, q_pos, it.qo_len, it.kv_len, it.req,
+                                  qo_head, it.kv_head);
+      lo[w] = pack2<T>(a0, a1);
+      hi[w] = pack2<T>(b0, b1);
+    }
+  }
+}
+
+// Apply the variant's key transform to the K tile at `k_tile` (keys kv0 .. kv0 + CTA_KV - 1) in shared memory, on
+// `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half at a time: it runs in the
+// main loop beside the O accumulators, so it must hold few registers. Rows at or past kv_stop are zero-filled and
+// hidden: left alone. The caller makes the tile resident before and synchronizes the threads after (and, where an
+// async-proxy reader such as wgmma follows, fences the proxies).
+template <typename G, typename Item>
+__device__ __forceinline__ void transform_k_tile(const Item& it, uint8_t* k_tile, int kv0, unsigned tid, int nthreads) {
+  using T = typename G::T;
+  constexpr int HALF = G::HEAD_DIM / 16;
+#pragma unroll 1
+  for (int i = tid; i < G::CTA_KV * HALF; i += nthreads) {
+    const int r = i / HALF, c = i % HALF;
+    const int kv_pos = kv0 + r;
+    if (kv_pos >= it.kv_stop) continue;
+    uint32_t* lo = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c));
+    uint32_t* hi = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c + HALF));
+#pragma unroll 1
+    for (int w = 0; w < 4; ++w) {
+      const float2 a = unpack2<T>(lo[w]), b = unpack2<T>(hi[w]);
+      float a0 = a.x, a1 = a.y, b0 = b.x, b1 = b.y;
+      const int d = c * 8 + 2 * w;
+      it.var.key_transform_pair(a0, b0, d, d + G::HEAD_DIM / 2, kv_pos, it.qo_len, it.kv_len, it.req, it.kv_head);
+      it.var.key_transform_pair(a1, b1, d + 1, d + 1 + G::HEAD_DIM / 2, kv_pos, it.qo_len, it.kv_len, it.req,
+                                it.kv_head);
+      lo[w] = pack2<T>(a0, a1);
+      hi[w] = pack2<T>(b0, b1);
+    }
   }
 }
 
@@ -94,9 +135,12 @@ __device__ __forceinline__ void stage_page_ids(const Item& it, int tile, int32_t
     if (tid < G::PAGES_PER_TILE) {
       const int kv0 = it.kv_begin + tile * G::CTA_KV;
       const int k = static_cast<int>(tid);
-      const bool valid = kv0 + k * G::PAGE_SIZE < it.kv_stop;
+      const int page0 = page_of<G::PAGE_SIZE>(kv0);
+      // page k starts before kv_stop (nesting pages: kv0 is page-aligned or inside the tile's one page)
+      const bool valid = pages_nest(G::CTA_KV, G::PAGE_SIZE) ? kv0 + k * G::PAGE_SIZE < it.kv_stop
+                                                             : (page0 + k) * G::PAGE_SIZE < it.kv_stop;
       const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices);
-      const int32_t* src = indices + it.kv_base + (kv0 >> G::PAGE_SHIFT) + k;
+      const int32_t* src = indices + it.kv_base + page0 + k;
       const uint32_t dst = smem_u32(ring + (tile % G::PAGE_RING) * G::PAGES_PER_TILE + k);
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(valid ? src : indices),
                    "r"(valid ? 4 : 0));
@@ -104,12 +148,14 @@ __device__ __forceinline__ void stage_page_ids(const Item& it, int tile, int32_t
   }
 }
 
-// Whether a copy pass lies within one page (pages of at least a pass's rows): then every thread of pass s reads
-// page (s * RPP) / PAGE_SIZE of the tile, a constant index, instead of one page id per row.
+// Whether a copy pass lies within one page at a page index the compiler knows (pages of at least a pass's rows,
+// nesting with the tile): then every thread of pass s reads page (s * RPP) / PAGE_SIZE of the tile, a constant
+// index, instead of one page id per row. Other sizes (3, 48, 528 against a 64-token tile) look up each row's page.
 template <typename G>
 __host__ __device__ constexpr bool pass_in_page() {
   constexpr int RPP = G::LOAD_THREADS / 8;
-  return G::PAGED && RPP <= G::PAGE_SIZE && (RPP & (RPP - 1)) == 0;
+  return G::PAGED && RPP <= G::PAGE_SIZE && (RPP & (RPP - 1)) == 0 && G::PAGE_SIZE % RPP == 0 &&
+         pages_nest(G::CTA_KV, G::PAGE_SIZE);
 }
 
 // The page ids of a tile's copy passes, read from the shared ring that stage_page_ids fills.
@@ -119,8 +165,8 @@ struct RingPageIds {
   int kv0, r0;           // the tile's first key, the thread's first row
   __device__ __forceinline__ int operator()(int s) const {
     constexpr int RPP = G::LOAD_THREADS / 8;
-    if constexpr (pass_in_page<G>()) return pages[(s * RPP) >> G::PAGE_SHIFT];
-    return pages[((kv0 + r0 + s * RPP) >> G::PAGE_SHIFT) - (kv0 >> G::PAGE_SHIFT)];
+    if constexpr (pass_in_page<G>()) return pages[page_of<G::PAGE_SIZE>(s * RPP)];
+    return pages[page_of<G::PAGE_SIZE>(kv0 + r0 + s * RPP) - page_of<G::PAGE_SIZE>(kv0)];
   }
 };
 
@@ -141,7 +187,7 @@ __device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageI
 #pragma unroll
     for (int s = 0; s < PASSES; ++s) {
       const int j = pass_in_page<G>() ? kv0 + s * RPP : kv0 + static_cast<int>(tid / 8) + s * RPP;
-      out.ids[s] = j < it.kv_stop ? __ldg(indices + (j >> G::PAGE_SHIFT)) : 0;
+      out.ids[s] = j < it.kv_stop ? __ldg(indices + page_of<G::PAGE_SIZE>(j)) : 0;
     }
   }
 }
@@ -173,7 +219,7 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   if constexpr (PASS_IN_PAGE) {
     slot_stride = G::HND ? D : p.kv_stride_1;
     const int64_t head_stride = G::HND ? p.kv_stride_1 : D;
-    const int slot0 = G::PAGE_SIZE > G::CTA_KV ? (kv0 & (G::PAGE_SIZE - 1)) : 0;
+    const int slot0 = G::PAGE_SIZE > G::CTA_KV ? slot_of<G::PAGE_SIZE>(kv0) : 0;
     thread_off = (slot0 + r0) * slot_stride + it.kv_head * head_stride + c0 * 8;
   } else if constexpr (!G::PAGED) {
     thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * 8;
@@ -185,11 +231,11 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     int64_t off;
     if constexpr (PASS_IN_PAGE) {
       const int page = page_id(s);
-      off = page * p.kv_stride_0 + thread_off + ((s * RPP) & (G::PAGE_SIZE - 1)) * slot_stride;
+      off = page * p.kv_stride_0 + thread_off + slot_of<G::PAGE_SIZE>(s * RPP) * slot_stride;
     } else if constexpr (G::PAGED) {
       const int j = kv0 + r;
       const int page = page_id(s);
-      off = paged_offset<G::HND, D>(page, j & (G::PAGE_SIZE - 1), it.kv_head, p.kv_stride_0, p.kv_stride_1);
+      off = paged_offset<G::HND, D>(page, slot_of<G::PAGE_SIZE>(j), it.kv_head, p.kv_stride_0, p.kv_stride_1);
       off = valid ? off + c0 * 8 : 0;
     } else {
       off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;

@@ -10,6 +10,15 @@
 //   * A request whose history is split into chunks writes fp32 partial states (o, lse) to a workspace slot; the
 //     last CTA of each split group merges them (attnjit/split.cuh). Unsplit items write the output directly.
 //
+// Attention sinks (Variant HAS_SINK): a row's sink logit sink_h (natural units, on the scale of sm_scale * q.k)
+// joins its softmax denominator as a key whose value vector is zero:
+//   o = sum_j 2^(s_j - m) v_j / d,  d = 2^(sink2 - m) + sum_j 2^(s_j - m),  lse = m + log2(d),  sink2 = sink_h log2(e)
+// with m the running max over the keys AND sink2. The families start the online softmax from it (m = sink2, d = 1:
+// the sink is the row's first "key"), in exactly one partial state of the row: chunk 0 of a split request (and one
+// warp of a tile whose warps split the keys), so the split-KV merge (attnjit/split.cuh), an exact combination of
+// states over disjoint key sets, counts it once. The lse therefore includes the sink, and (o, lse) is a state that
+// merge_state combines exactly with states over other keys; a row with no visible key gives o = 0, lse = sink2.
+//
 // Visibility, per packed row of token t: key j is visible iff kv_begin <= j < kv_stop and (!CAUSAL or
 // j <= kv_len - qo_len + t) (bottom-right aligned), and the variant's mask allows it.
 //
@@ -34,6 +43,7 @@ struct WorkItem {
   int64_t q_begin, kv_base;  // kv_base: page-table offset (paged) or first kv token (ragged)
   int pslot;                 // partial slot of this item's first token (-1: write the output)
   int pslot0, nchunks, group;  // split group: chunk 0's slot, chunks, ticket counter index
+  int chunk;                   // this item's chunk of its split group (0: unsplit, or the first chunk)
 
   __device__ explicit WorkItem(const P& params) : p(params), var(params), kv_head(0) {}
 
@@ -49,6 +59,7 @@ struct WorkItem {
     kv_begin = a.z;
     const int kv_end = a.w;
     pslot0 = b.x;
+    chunk = b.y;
     nchunks = b.z;
     group = b.w;
     q_begin = c.x;
@@ -75,6 +86,14 @@ struct WorkItem {
 
   __device__ __forceinline__ int q_pos_of(int pr) const { return kv_len - qo_len + pr / Tr::GROUP; }
   __device__ __forceinline__ int qo_head_of(int pr) const { return kv_head * Tr::GROUP + pr % Tr::GROUP; }
+
+  // Packed row pr's sink logit in log2 units, where this item carries the row's sink (chunk 0); else -inf (no sink).
+  __device__ __forceinline__ float sink_log2(int pr) const {
+    if constexpr (V::HAS_SINK) {
+      if (chunk == 0) return var.sink(q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head) * kLog2e;
+    }
+    return neg_inf();
+  }
 
   // ---- masks -----------------------------------------------------------------------------------------------
 

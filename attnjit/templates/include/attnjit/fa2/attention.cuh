@@ -8,7 +8,8 @@
 // Math, per packed row: s_j = q.k_j over the visible keys (attnjit/work.cuh). Online softmax in base 2 with the
 // scale sm_scale*log2(e) folded in:
 //   m = max_j s_j*scale2,  d = sum_j 2^(s_j*scale2 - m),  o = sum_j 2^(s_j*scale2 - m) v_j / d,  lse = m + log2(d)
-// which is lse = log2(sum_j exp(sm_scale * s_j)). A row with no visible key yields o = 0, lse = -inf.
+// which is lse = log2(sum_j exp(sm_scale * s_j)). A row with no visible key yields o = 0, lse = -inf. A sink
+// (attnjit/work.cuh) is the row's first key with a zero value: m = sink2, d = 1 before the first tile.
 //
 // Inner loop (per warp): S = Q K^T with mma.sync m16n8k16 (A = Q rows from shared memory via ldmatrix, B = K
 // rows via ldmatrix), mask only on boundary/diagonal tiles, online softmax in registers, O += P V (A = P
@@ -445,6 +446,20 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
     WarpState<Tr> st;
     st.init();
+    if constexpr (V::HAS_SINK) {  // the online softmax starts from the sink (work.cuh), in one kv warp's state
+      if (warp_kv == 0) {
+#pragma unroll
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float s2 = this->sink_log2(packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r);
+            if (s2 != neg_inf()) {
+              st.m[mq][r] = s2;
+              st.d[mq][r] = 1.f;  // every lane of the quad holds its rows' whole sum
+            }
+          }
+      }
+    }
     uint32_t qf[Tr::Q_IN_REGS ? Tr::NUM_MMA_Q : 1][Tr::Q_IN_REGS ? D / 16 : 1][4];
     for (int i = 0; i < num_tiles; ++i) {
       cp_async_wait<S - 2>();
@@ -454,6 +469,10 @@ struct AttentionCTA : WorkItem<Tr, P> {
           transform_q_tile<Tr>(*this, q_smem(), threadIdx.x, Tr::NUM_THREADS);
           __syncthreads();
         }
+      }
+      if constexpr (V::HAS_KEY_TRANSFORM) {  // K(i) is resident in every thread's view: transform it in place
+        transform_k_tile<Tr>(*this, k_smem(i % S), kv_begin + i * Tr::CTA_KV, threadIdx.x, Tr::NUM_THREADS);
+        __syncthreads();
       }
       if constexpr (Tr::Q_IN_REGS) {
         if (i == 0) {

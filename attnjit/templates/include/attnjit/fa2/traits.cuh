@@ -18,7 +18,6 @@ struct AttentionTraits {
   static constexpr bool CAUSAL = CAUSAL_;
   static constexpr bool PAGED = PAGED_;
   static constexpr int PAGE_SIZE = PAGE_SIZE_;
-  static constexpr int PAGE_SHIFT = ilog2(PAGE_SIZE_);
   static constexpr bool HND = HND_;
   static constexpr int NUM_WARPS_Q = NUM_WARPS_Q_;    // warps splitting the q rows of a tile
   static constexpr int NUM_WARPS_KV = NUM_WARPS_KV_;  // warps splitting the kv columns of a tile
@@ -34,7 +33,7 @@ struct AttentionTraits {
   static constexpr int CHUNKS = HEAD_DIM / 8;              // 16-byte chunks per row
   static constexpr int ROW_BYTES = HEAD_DIM * 2;           // one row of a Q/K/V tile in shared memory
   // page ids of a KV tile, staged in shared memory by cp.async several tiles ahead of their use
-  static constexpr int PAGES_PER_TILE = PAGED ? (CTA_KV > PAGE_SIZE ? CTA_KV / PAGE_SIZE : 1) : 0;
+  static constexpr int PAGES_PER_TILE = PAGED ? pages_per_tile(CTA_KV, PAGE_SIZE) : 0;
   static constexpr int PAGE_RING = 2 * NUM_STAGES;         // tiles whose page ids are resident
   static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
   static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
@@ -61,7 +60,7 @@ struct AttentionTraits {
   static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
   static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
   static_assert(GROUP >= 1, "group size must be positive");
-  static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
+  static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(PAGES_PER_TILE <= NUM_THREADS, "one thread per staged page id");
 };
 

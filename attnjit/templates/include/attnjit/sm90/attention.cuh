@@ -13,7 +13,8 @@
 //     while the tensor cores compute P(j-1) V(j-1); between the two warpgroups a pair of named barriers hands the
 //     tensor cores back and forth (ping-pong), so one's softmax hides under the other's GEMMs.
 //   * a persistent grid: every CTA walks the plan's work list with stride gridDim.x (work_count items).
-// Math as in fa2 (base-2 online softmax, lse = m + log2 d, a row with no visible key gives o = 0, lse = -inf).
+// Math as in fa2 (base-2 online softmax, lse = m + log2 d, a row with no visible key gives o = 0, lse = -inf; a
+// sink starts the softmax, attnjit/work.cuh).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/kv_load.cuh"
@@ -257,6 +258,19 @@ struct Consumer {
     if (lane == 0) mbar_arrive(bar);  // one arrival per warp (the barrier counts the consumers' warps)
   }
 
+  // The variant's key transform of K(tile) in stage `stage`, by both consumer warpgroups (each a share of the rows),
+  // right after the tile lands and before either issues S = Q K^T on it: generic-proxy writes, fenced for the async
+  // proxy (wgmma) and synchronized across the 256 consumer threads. (Not the producer: at 24-56 registers it cannot
+  // hold a row pair in fp32 with sin/cos, and it would have to wait for its own copies; the consumers have the
+  // registers. The price is one consumer barrier per tile, which realigns the two warpgroups' ping-pong.)
+  __device__ __forceinline__ void transform_k(int tile, int stage) {
+    if constexpr (V::HAS_KEY_TRANSFORM) {
+      transform_k_tile<Tr>(it, sm.k(stage), it.kv_begin + tile * N, ctid, Tr::CONSUMER_THREADS);
+      fence_proxy_async();
+      named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
+    }
+  }
+
   // My turn at the tensor cores, and handing it to the other consumer.
   __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::CONSUMER_THREADS); }
   __device__ __forceinline__ void pass_turn() const { named_arrive(Tr::BAR_TURN + (wg ^ 1), Tr::CONSUMER_THREADS); }
@@ -276,9 +290,11 @@ struct Consumer {
     release(sm.v_empty(vr.stage));
     vr.advance();
   }
-  // S = Q K^T of the ring's current K tile, in this consumer's turn.
-  __device__ __forceinline__ void qk_turn(const Ring<Tr::NUM_STAGES>& kr) {
+  // S = Q K^T of the ring's current K tile (tile `tile` of the item, after the variant's key transform), in this
+  // consumer's turn.
+  __device__ __forceinline__ void qk_turn(const Ring<Tr::NUM_STAGES>& kr, int tile) {
     wait_full(sm.k_full(kr.stage), kr.phase);
+    transform_k(tile, kr.stage);
     take_turn();
     wgmma_fence();
     issue_qk(kr.stage);
@@ -293,7 +309,7 @@ struct Consumer {
   // (For head_dim 256, whose 128 O registers leave no room for S(j) and P(j-1) at once.)
   __device__ __forceinline__ void mainloop_serial(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
     for (int j = 0; j < it.num_tiles; ++j) {
-      qk_turn(kr);
+      qk_turn(kr, j);
       pass_turn();
       wgmma_wait<0>();
       done_with_k(kr);
@@ -314,14 +330,14 @@ struct Consumer {
     if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
     const int n = it.num_tiles;
     if (n == 0) return;
-    qk_turn(kr);
+    qk_turn(kr, 0);
     pass_turn();
     wgmma_wait<0>();
     done_with_k(kr);
     softmax(0, scale2);
     pack_p();
     for (int j = 1; j < n; ++j) {
-      qk_turn(kr);
+      qk_turn(kr, j);
       rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
       wait_full(sm.v_full(vr.stage), vr.phase);
       pv_issue(vr);
@@ -433,6 +449,16 @@ struct Consumer {
       m[0] = m[1] = neg_inf();
       l[0] = l[1] = 0.f;
       alpha[0] = alpha[1] = 1.f;
+      if constexpr (V::HAS_SINK) {  // the online softmax starts from the sink (work.cuh): m = sink2, d = 1
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float s2 = it.sink_log2(it.packed_row0 + row0 + 8 * r);
+          if (s2 != neg_inf()) {
+            m[r] = s2;
+            l[r] = lane % 4 == 0 ? 1.f : 0.f;  // l holds each thread's share of the row sum (the quad adds them)
+          }
+        }
+      }
       mainloop(kr, vr, scale2);
       epilogue();
       mbar_arrive(sm.q_empty(qstage));  // every consumer thread: its Q reads and staging reads are done

@@ -17,7 +17,6 @@ struct Sm90Traits {
   static constexpr bool CAUSAL = CAUSAL_;
   static constexpr bool PAGED = PAGED_;
   static constexpr int PAGE_SIZE = PAGE_SIZE_;
-  static constexpr int PAGE_SHIFT = ilog2(PAGE_SIZE_);
   static constexpr bool HND = HND_;
   // one producer warpgroup (loads) and two consumer warpgroups (wgmma, softmax), 64 packed rows each
   static constexpr int CONSUMERS = 2;
@@ -58,7 +57,7 @@ struct Sm90Traits {
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
   static_assert(Q_STAGES >= 1, "at least one Q tile");
-  static_assert(!PAGED || PAGE_SIZE >= CTA_KV || CTA_KV % PAGE_SIZE == 0, "a KV tile must hold whole pages");
+  static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,
                 "setmaxnreg budgets exceed the CTA's registers at launch: the consumers would wait forever");

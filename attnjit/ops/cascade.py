@@ -1,0 +1,159 @@
+"""Shared-prefix (cascade) attention: FlashInfer's ``MultiLevelCascadeAttentionWrapper``, over the paged prefill
+wrapper and merge_state.
+
+The KV of a batch is split into levels, each a paged page table over the same cache (FlashInfer's cascade layout):
+level 0 typically holds one prefix shared by a group of requests, the last level each request's own suffix. A level
+is an ordinary batch whose "requests" are groups of query rows: ``qo_indptr_arr[l]`` groups the rows of q (all
+levels cover the same rows, ``qo_indptr_arr[l][-1]`` equal), ``paged_kv_*_arr[l]`` gives each group its pages. A
+level runs as one paged prefill launch, so a prefix's pages are read once per group (once per KV head), not once per
+request; the levels' states (o, lse) over disjoint key sets are then combined exactly by merge_state_in_place:
+
+    o = merge(state_last, state_0, ..., state_{L-2})     (the order of an exact merge does not matter)
+
+Causal masking applies to the last level only (the prefix levels lie wholly before every query, as in FlashInfer).
+Position-dependent options (a sliding window, ALiBi, RoPE) would be computed against each level's own key
+positions, which are not the request's, so with more than one level they are refused rather than made wrong.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from . import planner as P
+from .attention import BatchPrefillWithPagedKVCacheWrapper
+from .compat import FlashInferAliases
+from .merge import merge_state_in_place
+
+_BUFFER_ARRAYS = ("qo_indptr_buf_arr", "paged_kv_indptr_buf_arr", "paged_kv_indices_buf_arr",
+                  "paged_kv_last_page_len_buf_arr")
+
+
+def _levels(name: str, value: Any, n: int) -> list:
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a list of {n} tensors (one per level), got {type(value).__name__}")
+    if len(value) != n:
+        raise ValueError(f"{name} has {len(value)} entries; this wrapper has num_levels={n} (one per level)")
+    return list(value)
+
+
+class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
+    """Multi-level cascade attention over one paged KV cache (see the module docstring).
+
+    ``__init__(num_levels, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf_arr=None,
+    paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None, paged_kv_last_page_len_buf_arr=None)`` as in
+    FlashInfer; ``backend`` (attnjit's) is passed to every level. The levels share the workspace: they run one
+    after another on the stream.
+    """
+
+    def __init__(self, num_levels: int, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf_arr: Sequence[torch.Tensor] | None = None,
+                 paged_kv_indptr_buf_arr: Sequence[torch.Tensor] | None = None,
+                 paged_kv_indices_buf_arr: Sequence[torch.Tensor] | None = None,
+                 paged_kv_last_page_len_buf_arr: Sequence[torch.Tensor] | None = None, *, backend: str = "auto"):
+        n = P.as_int("num_levels", num_levels)
+        if not 1 <= n <= 16:
+            raise ValueError(f"num_levels must be 1..16, got {n}")
+        self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
+        given = dict(zip(_BUFFER_ARRAYS, (qo_indptr_buf_arr, paged_kv_indptr_buf_arr, paged_kv_indices_buf_arr,
+                                          paged_kv_last_page_len_buf_arr)))
+        bufs = {k: (_levels(k, v, n) if v is not None else [None] * n) for k, v in given.items()}
+        if not self._use_cuda_graph and any(v is not None for v in given.values()):
+            raise ValueError(f"{', '.join(k for k, v in given.items() if v is not None)}: fixed buffers are for "
+                             "use_cuda_graph=True")
+        self._num_levels = n
+        self._kv_layout = kv_layout
+        self._batch_prefill_wrappers = [
+            BatchPrefillWithPagedKVCacheWrapper(
+                float_workspace_buffer, kv_layout, self._use_cuda_graph, qo_indptr_buf=bufs["qo_indptr_buf_arr"][i],
+                paged_kv_indptr_buf=bufs["paged_kv_indptr_buf_arr"][i],
+                paged_kv_indices_buf=bufs["paged_kv_indices_buf_arr"][i],
+                paged_kv_last_page_len_buf=bufs["paged_kv_last_page_len_buf_arr"][i], backend=backend)
+            for i in range(n)]
+        self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (o, lse) of levels 0..n-2, made by plan()
+        self._plan = None  # the last level's plan once planned (what forward() checks)
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    @property
+    def num_levels(self) -> int:
+        return self._num_levels
+
+    @property
+    def last_plan(self) -> list[dict] | None:
+        """Each level's plan decisions (level 0 first)."""
+        if self._plan is None:
+            return None
+        return [w.last_plan for w in self._batch_prefill_wrappers]
+
+    def plan(self, qo_indptr_arr: Sequence[torch.Tensor], paged_kv_indptr_arr: Sequence[torch.Tensor],
+             paged_kv_indices_arr: Sequence[torch.Tensor], paged_kv_last_page_len: Sequence[torch.Tensor],
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, causal: bool = False,
+             pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
+             window_left: int = -1, logits_soft_cap: float | None = None, rope_scale=None, rope_theta=None,
+             q_data_type="float16", kv_data_type=None, **kwargs: Any) -> None:
+        """Plan every level (FlashInfer's arguments; ``kwargs`` go to each level's plan, e.g. fixed_split_size)."""
+        n = self._num_levels
+        arrays = [_levels(name, value, n) for name, value in (
+            ("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
+            ("paged_kv_indices_arr", paged_kv_indices_arr), ("paged_kv_last_page_len", paged_kv_last_page_len))]
+        if n > 1:
+            if pos_encoding_mode != "NONE":
+                raise NotImplementedError(
+                    f"pos_encoding_mode={pos_encoding_mode!r} with {n} cascade levels: positions inside a level are "
+                    "that level's, not the request's; apply RoPE/ALiBi to q and k before attention")
+            if window_left is not None and window_left != -1:
+                raise NotImplementedError(
+                    f"window_left={window_left} with {n} cascade levels: a window is measured against each level's "
+                    "own keys, not the request's; use one level (the paged prefill wrapper) for windowed layers")
+        for key in ("sinks", "custom_mask", "packed_custom_mask"):
+            if kwargs.get(key) not in (None, False):
+                raise NotImplementedError(f"{key} is not supported by the cascade wrapper")
+        self._plan = None
+        rows = None
+        for i, (w, qo, kvp, idx, last) in enumerate(zip(self._batch_prefill_wrappers, *arrays)):
+            try:
+                w.plan(qo, kvp, idx, last, num_qo_heads, num_kv_heads, head_dim, page_size,
+                       causal=causal if i == n - 1 else False, pos_encoding_mode=pos_encoding_mode,
+                       use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
+                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
+                       q_data_type=q_data_type, kv_data_type=kv_data_type, **kwargs)
+            except NotImplementedError as exc:
+                raise NotImplementedError(f"cascade level {i}: {exc}") from None
+            except TypeError as exc:
+                raise TypeError(f"cascade level {i}: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"cascade level {i}: {exc}") from None
+            if rows is None:
+                rows = w._plan.total_q
+            elif w._plan.total_q != rows:
+                raise ValueError(f"qo_indptr_arr[{i}][-1]={w._plan.total_q} but qo_indptr_arr[0][-1]={rows}: every "
+                                 "level covers the same query rows")
+        last_plan = self._batch_prefill_wrappers[-1]._plan
+        shape, dt = last_plan.q_shape, last_plan.o_dtype
+        if len(self._scratch) != n - 1 or any(o.shape != shape or o.dtype != dt for o, _ in self._scratch):
+            if self._use_cuda_graph and self._scratch:
+                raise ValueError(f"use_cuda_graph: this plan has {shape[0]} query rows ({dt}) but the graph was "
+                                 f"planned for {self._scratch[0][0].shape[0]} ({self._scratch[0][0].dtype})")
+            dev = self._batch_prefill_wrappers[0]._device
+            self._scratch = [(torch.empty(shape, dtype=dt, device=dev),
+                              torch.empty(shape[:2], dtype=torch.float32, device=dev)) for _ in range(n - 1)]
+        self._plan = last_plan
+
+    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None, return_lse: bool = False, **kwargs: Any):
+        """q: [nnz_qo, H_q, D] -> out [nnz_qo, H_q, D] (and the merged lse [nnz_qo, H_q], base 2, with
+        return_lse). The last level writes out/lse, each other level its scratch, merged in place."""
+        if self._plan is None:
+            raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan()")
+        if args:
+            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
+        last = self._batch_prefill_wrappers[-1]
+        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, **kwargs)
+        for w, (o_i, lse_i) in zip(self._batch_prefill_wrappers[:-1], self._scratch):
+            w.run(q, paged_kv_cache, out=o_i, lse=lse_i, **kwargs)
+            merge_state_in_place(out, lse, o_i, lse_i)
+        return (out, lse) if return_lse else out

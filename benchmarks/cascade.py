@@ -1,0 +1,108 @@
+"""Shared-prefix (cascade) decode: issue 14's row. ``python benchmarks/bench.py --only cascade`` runs it.
+
+Workload: 16 requests share an 8192-token prefix and each has its own 256-token suffix (one query token each);
+H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages shuffled. Timed four ways in one process:
+  * attnjit flat: BatchDecodeWithPagedKVCacheWrapper over each request's whole page table (the prefix pages appear
+    in all 16 tables: what an engine does without cascade);
+  * attnjit cascade: MultiLevelCascadeAttentionWrapper, 2 levels (the prefix once for the group, then the suffixes),
+    merged with merge_state_in_place;
+  * FlashInfer's MultiLevelCascadeAttentionWrapper and its flat decode wrapper on the same cache and tables.
+Figures: ms per call (every launch of a call), the speed-up of cascade over flat, and the bytes a call must read
+at least (prefix once + suffixes: the floor for cascade) against the flat bytes (every request's whole history).
+Targets (issue 14): attnjit cascade >= 3x attnjit flat, and faster than FlashInfer's cascade.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+BATCH, PREFIX, SUFFIX = 16, 8192, 256
+H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
+
+
+def _tables(seed: int = 0):
+    """(cache, prefix page ids, suffix page ids per request): every page full (8192 and 256 are multiples of 16)."""
+    n_prefix, n_suffix = PREFIX // PS, SUFFIX // PS
+    total = n_prefix + BATCH * n_suffix
+    ids = list(range(total))
+    random.Random(seed).shuffle(ids)
+    prefix = ids[:n_prefix]
+    suffixes = [ids[n_prefix + i * n_suffix:n_prefix + (i + 1) * n_suffix] for i in range(BATCH)]
+    cache = torch.randn(total, 2, PS, H_KV, D, dtype=DT, device="cuda")
+    return cache, prefix, suffixes
+
+
+def _i32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def cascade_arrays(prefix: list[int], suffixes: list[list[int]]):
+    """FlashInfer's 2-level cascade layout: level 0 one group (all requests) over the prefix, level 1 the suffixes."""
+    qo = [_i32([0, BATCH]), _i32(list(range(BATCH + 1)))]
+    kv_indptr = [_i32([0, len(prefix)]), _i32([i * len(suffixes[0]) for i in range(BATCH + 1)])]
+    kv_indices = [_i32(prefix), _i32([p for s in suffixes for p in s])]
+    last = [_i32([PS]), _i32([PS] * BATCH)]
+    return qo, kv_indptr, kv_indices, last
+
+
+def flat_tables(prefix: list[int], suffixes: list[list[int]]):
+    pages = [prefix + s for s in suffixes]
+    indptr = _i32([0] + [sum(len(p) for p in pages[:i + 1]) for i in range(BATCH)])
+    return indptr, _i32([x for p in pages for x in p]), _i32([PS] * BATCH)
+
+
+def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
+    import attnjit
+
+    cache, prefix, suffixes = _tables()
+    q = torch.randn(BATCH, H_Q, D, dtype=DT, device="cuda")
+    kv_bytes_flat = BATCH * (PREFIX + SUFFIX) * H_KV * D * 2 * 2
+    kv_bytes_cascade = (PREFIX + BATCH * SUFFIX) * H_KV * D * 2 * 2
+    row = {"op": "cascade decode", "shape": f"{BATCH}x({PREFIX} shared + {SUFFIX})", "kv_bytes_flat": kv_bytes_flat,
+           "kv_bytes_cascade": kv_bytes_cascade}
+    arrays = cascade_arrays(prefix, suffixes)
+    indptr, indices, last = flat_tables(prefix, suffixes)
+
+    flat = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+    flat.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
+    out_flat = torch.empty_like(q)
+    row["attnjit_flat_ms"] = time_ms(lambda: flat.run(q, cache, out=out_flat))
+    row["attnjit_flat_plan"] = flat.last_plan
+
+    casc = attnjit.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
+    casc.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT)
+    out_casc = torch.empty_like(q)
+    row["attnjit_cascade_ms"] = time_ms(lambda: casc.run(q, cache, out=out_casc))
+    row["attnjit_cascade_plan"] = casc.last_plan
+    row["max_diff_cascade_vs_flat"] = (out_casc.float() - out_flat.float()).abs().max().item()
+    row["attnjit_speedup"] = row["attnjit_flat_ms"] / row["attnjit_cascade_ms"]
+
+    if fi is not None:
+        fcasc = fi.MultiLevelCascadeAttentionWrapper(2, ws_fi(), "NHD")
+        fcasc.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
+        row["flashinfer_cascade_ms"] = time_ms(lambda: fcasc.run(q, cache))
+        row["max_diff_vs_flashinfer_cascade"] = (out_casc.float() - fcasc.run(q, cache).float()).abs().max().item()
+        fflat = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
+        fflat.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
+        fout = torch.empty_like(q)
+        row["flashinfer_flat_ms"] = time_ms(lambda: fflat.run(q, cache, out=fout))
+        row["attnjit_cascade_vs_flashinfer_cascade"] = row["flashinfer_cascade_ms"] / row["attnjit_cascade_ms"]
+    results.append(row)
+    del cache
+    torch.cuda.empty_cache()
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| workload | attnjit flat | attnjit cascade | speed-up (>= 3x) | FlashInfer cascade | FlashInfer flat | "
+             "attnjit cascade vs FlashInfer cascade |", "|---|---|---|---|---|---|---|"]
+    ms = lambda r, k: f"{r[k]:.3f} ms" if k in r else "-"  # noqa: E731
+    for r in rows:
+        vs = f"{r['attnjit_cascade_vs_flashinfer_cascade']:.2f}x" if "attnjit_cascade_vs_flashinfer_cascade" in r \
+            else "-"
+        lines.append(f"| {r['shape']} | {ms(r, 'attnjit_flat_ms')} | {ms(r, 'attnjit_cascade_ms')} | "
+                     f"{r['attnjit_speedup']:.2f}x | {ms(r, 'flashinfer_cascade_ms')} | {ms(r, 'flashinfer_flat_ms')} | "
+                     f"{vs} |")
+    return "\n".join(lines)

@@ -106,8 +106,11 @@ def test_reduce_overhead_decode_replays_after_fast_plan():
     metadata, other lengths and page tables) and the replayed graph matches the reference."""
     pool = 4000
     cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(8)).to(DT).to(DEV)
+    # graph mode keeps every buffer's address: the page-id buffer must hold the largest step's pages
     w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=DEV),
-                                                   use_cuda_graph=True)
+                                                   use_cuda_graph=True,
+                                                   paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32,
+                                                                                       device=DEV))
     step = torch.compile(lambda q: w.run(q, cache), mode="reduce-overhead", fullgraph=True)
     import random
 

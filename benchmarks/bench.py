@@ -293,21 +293,21 @@ def _lpt_order(work):
 
 def sweep_order(rows) -> list[dict]:
     """Prefill with the work list in request-grouped order (the scheduler's) against pure longest-first."""
-    from attnjit.ops import attention
+    from attnjit.ops import _wrapper
 
-    original = attention.plan_work
+    original = _wrapper.plan_work
     out = []
     try:
         for name, fn in (("request_grouped", original),
                          ("global_lpt", lambda **kw: _lpt_order(original(**kw)))):
-            attention.plan_work = fn
+            _wrapper.plan_work = fn
             res: list[dict] = []
             bench_prefill(None, rows, res, sdpa=False)
             out.append({"order": name, **{r["shape"]: round(r["attnjit_tflops"], 1) for r in res},
                          **{f"{r['shape']} fa2": round(r["attnjit_fa2_tflops"], 1) for r in res}})
             print(json.dumps(out[-1]), flush=True)
     finally:
-        attention.plan_work = original
+        _wrapper.plan_work = original
     return out
 
 

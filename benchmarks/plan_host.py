@@ -88,13 +88,13 @@ def timed(fn, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
 @contextmanager
 def step_timers(totals: dict):
     """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
-    from attnjit.ops import _upload, attention, planner as plan_inputs
+    from attnjit.ops import _upload, _wrapper, attention, planner as plan_inputs
 
     targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
-               (attention, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
-               (attention._AttentionWrapper, "_prepare_launch", "launch setup"),
-               (attention, "spec_for", "spec + variant"), (attention._AttentionWrapper, "_bind", "spec + variant")]
+               (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
+               (_wrapper._AttentionWrapper, "_prepare_launch", "launch setup"),
+               (attention, "spec_for", "spec + variant"), (_wrapper._AttentionWrapper, "_bind", "spec + variant")]
     saved = []
     for owner, attr, label in targets:
         fn = getattr(owner, attr)

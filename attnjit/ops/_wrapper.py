@@ -1,0 +1,366 @@
+"""The machinery every attention wrapper shares: plan()'s common tail (spec, family, tile, schedule, upload, kernel),
+run()'s checks against the plan and its launch, and the paged wrappers' cache checks. The public wrappers are in
+``attention``; this module holds what they inherit, so that each file keeps one job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import dispatch, families, knobs, tuning
+from ..errors import NoGPUError
+from ..generator import attention_layout, variant_param_name
+from ..specs import DEFAULT_ARCH, AttentionSpec
+from ..variants import Variant, resolve as resolve_variant
+from . import _handles, planner as P
+from ._common import (PagedCache, check_layout, check_metadata, check_tensor, unpack_paged_cache, unsupported,
+                      with_family)
+from ._running import Plan, check_q_out, launch, variant_args
+from ._upload import MetadataBuffers
+from ._variants import Binding, bind, check_value, with_sinks
+from .compat import FlashInferAliases, plan_settings
+from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
+
+_LOG2E = 1.4426950408889634
+
+
+def _schedule(batch: P.Batch, sched: dict) -> WorkPlan:
+    return plan_work(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
+                     kv_bases=batch.kv_bases, **sched)
+
+
+def _arch_for(device: torch.device) -> str:
+    if device.type == "cuda":
+        return dispatch.device_arch(device)
+    return knobs.ARCH.get() or DEFAULT_ARCH
+
+
+class _AttentionWrapper(FlashInferAliases):
+    """State shared by the three batch wrappers: workspace, layout, CUDA-graph buffers, the current plan."""
+
+    _op = "prefill"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
+                 *, max_work_items: int | None = None, variant: Variant | str | None = None, backend: str = "auto",
+                 tile: str | None = None):
+        check_tensor("float_workspace_buffer", float_workspace_buffer)
+        self._family = families.for_backend(backend)  # None: each plan's default (families.for_batch)
+        self._backend = backend
+        if tile is not None and not isinstance(tile, str):
+            raise TypeError(f"tile must be the name of a tile configuration (str) or None, got {type(tile).__name__}")
+        self._tile = tile       # a forced tile configuration (attnjit tune); None: the tuning record's, or the default
+        self._tuned: dict = {}  # spec -> the spec plan() runs (its tuned tile), per wrapper
+        if isinstance(variant, str):
+            variant = resolve_variant(variant)
+        if variant is not None and not isinstance(variant, Variant):
+            raise TypeError(f"variant must be an attnjit.Variant (or its 'module:attribute'), got {type(variant).__name__}")
+        self._variant = variant
+        if float_workspace_buffer.dim() != 1 or not float_workspace_buffer.is_contiguous():
+            raise ValueError("float_workspace_buffer must be a contiguous 1-D tensor (e.g. torch.empty(128 << 20, "
+                             f"dtype=torch.uint8, device='cuda')), got shape {tuple(float_workspace_buffer.shape)}")
+        if float_workspace_buffer.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"float_workspace_buffer must be on a CUDA device (or the CPU, to plan without a GPU), "
+                             f"got {float_workspace_buffer.device}")
+        if float_workspace_buffer.data_ptr() % 16:
+            raise ValueError("float_workspace_buffer must start on a 16-byte boundary (the kernels store partial "
+                             f"states 16 bytes at a time); this view starts {float_workspace_buffer.data_ptr() % 16} "
+                             "bytes past one")
+        if max_work_items is not None:
+            max_work_items = P.as_int("max_work_items", max_work_items)
+            if not 1 <= max_work_items <= MAX_WORK_ITEMS:
+                raise ValueError(f"max_work_items must be 1..{MAX_WORK_ITEMS}, got {max_work_items}")
+        self._workspace = float_workspace_buffer
+        self._device = float_workspace_buffer.device
+        self._kv_layout = check_layout(kv_layout)
+        self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
+        self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
+        self._plan: Plan | None = None
+        self._graph_grid: int | None = None  # fixed attention grid.x
+        self._graph_spec: AttentionSpec | None = None
+        self._graph_tile = None  # the family's tile of the first plan
+        self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
+        self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
+        self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
+        self._handle = _handles.register(self)            # how torch.ops.attnjit.batch_run names this wrapper
+
+    def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
+        """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
+        rest lives in the wrapper's own work records), so a given page-id buffer becomes that buffer; it must be
+        dense, as the kernels read it through its data pointer."""
+        for name, buf in buffers.items():
+            if buf is None:
+                continue
+            check_metadata(name, buf, self._device, dense=True)
+            if "indices" in name:
+                self._meta.fixed_page_ids = buf
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def _decision_extra(self) -> dict:
+        """What this wrapper adds to the plan's decisions (the dispatch record's ``plan``)."""
+        return {}
+
+    @property
+    def last_plan(self) -> dict | None:
+        """The current plan's decisions (tile, split-KV, work items): what the dispatch record carries."""
+        return self._plan.decision() if self._plan else None
+
+    # --- plan ---------------------------------------------------------------------------------------------
+
+    def _bind(self, batch: P.Batch, num_qo_heads: int, opts: P.PlanOptions, custom_mask=None,
+              packed_custom_mask=None, *, head_dim: int, sinks: Any = False) -> Binding:
+        """The wrapper's variant with the built-ins that FlashInfer's feature arguments ask for."""
+        return bind(user=self._variant, logits_soft_cap=opts.logits_soft_cap, window_left=opts.window_left,
+                    pos_encoding_mode=opts.pos_encoding_mode, custom_mask=custom_mask,
+                    packed_custom_mask=packed_custom_mask, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
+                    num_qo_heads=num_qo_heads, device=self._device, head_dim=head_dim, rope_scale=opts.rope_scale,
+                    rope_theta=opts.rope_theta, sinks=P.as_flag("sinks", sinks, none=False))
+
+    def _finish_plan(self, *, spec: AttentionSpec, batch: P.Batch, num_qo_heads: int, num_kv_heads: int,
+                     dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions,
+                     page_ids: torch.Tensor | None, binding: Binding) -> None:
+        head_dim = spec.head_dim_qk
+        group = spec.group_size
+        qo_lens = batch.qo_lens
+        disable_split_kv = opts.disable_split_kv
+        on_gpu = self._device.type == "cuda"
+        if on_gpu and not torch.cuda.is_available():
+            raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
+        # the kernel family: the wrapper's backend, else the spec's default for this batch (graph mode: the first
+        # plan's, which the captured graph replays)
+        forced = self._graph_spec.family if self._use_cuda_graph and self._graph_spec is not None else self._family
+        family = families.for_batch(spec, forced=forced, max_packed_rows=int(qo_lens.max(initial=0)) * group,
+                                    backend=self._backend)
+        if family != spec.family:
+            spec = with_family(spec, family)
+        spec = self._with_tile(spec)
+        if self._use_cuda_graph:
+            self._check_graph_plan(spec, batch, page_ids)
+
+        def capacity(t) -> int:  # resident CTAs of tile t over all SMs
+            _, per_sm, sms = self._kernel_for(spec, t, on_gpu)
+            return per_sm * sms
+
+        # the deep decode tile serves split-KV batches; graph mode keeps the tile of its first plan
+        tile = families.get(spec.family).choose_tile(
+            spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
+            allow_split=not disable_split_kv and not self._use_cuda_graph, capacity=capacity)
+        if self._use_cuda_graph and self._graph_tile is not None:
+            tile = self._graph_tile  # a captured graph replays the kernel it captured: later plans keep its tile
+        kernel, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
+        slot_bytes = num_qo_heads * (head_dim + 1) * 4
+        max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
+        sched = dict(group=group, tile=tile, causal=spec.mask == "causal", num_kv_heads=num_kv_heads,
+                     slots=sms * per_sm, max_slots=max_slots, allow_split=not disable_split_kv,
+                     fixed_chunk=opts.fixed_split_size)
+        work = _schedule(batch, sched)
+        q_dtype, kv_dtype, o_dtype = dtypes
+        total_q, size = batch.total_q, batch.batch_size
+        plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
+                     kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=batch.max_page, total_kv=batch.total_kv,
+                     on_gpu=on_gpu, q_shape=torch.Size((total_q, num_qo_heads, head_dim)), binding=binding,
+                     variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
+                                    "request+1": size + 1, "qo_token": total_q}, sched=sched)
+        plan.keep += binding.keep
+        plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
+        plan.extra = self._decision_extra()
+        plan.layout = attention_layout(spec.variant)
+        kinds = binding.kinds()
+        plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
+        if on_gpu:
+            ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
+                                    page_ids=page_ids, used=batch.num_page_ids, keep=plan.keep)
+        else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
+            ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
+        self._prepare_launch(plan, kernel, ptr, opts.sm_scale, max_slots, per_sm * sms)
+        if self._use_cuda_graph and self._graph_spec is None:
+            self._graph_spec, self._graph_tile, self._meta.batch = spec, tile, size
+        self._plan = plan
+
+    def _with_tile(self, spec: AttentionSpec) -> AttentionSpec:
+        """The spec with the wrapper's forced tile, else the tuning record's for this GPU (attnjit tune), else as is."""
+        out = self._tuned.get(spec)
+        if out is None:
+            out = spec
+            if self._tile is not None:
+                try:
+                    out = spec.replace(tile=self._tile)
+                except ValueError as exc:
+                    raise ValueError(f"tile={self._tile!r}: {exc}") from None
+            elif families.tile_names(spec):
+                gpu = tuning.gpu_id(spec.arch, dispatch.num_sms(self._device if self._device.type == "cuda" else None))
+                tuned = tuning.best_tile(spec, gpu)
+                if tuned is not None:
+                    out = spec.replace(tile=tuned)
+            self._tuned[spec] = out
+        return out
+
+    def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch, page_ids: torch.Tensor | None) -> None:
+        """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
+        if self._graph_spec is not None and spec != self._graph_spec:
+            raise ValueError(f"use_cuda_graph: plan() asks for {spec.short_name()} but this wrapper's graph "
+                             f"was planned for {self._graph_spec.short_name()}; use one wrapper per kernel spec")
+        self._meta.check_batch(batch.batch_size)
+        if self._graph_num_pages is not None and batch.max_page >= self._graph_num_pages:
+            raise ValueError(f"use_cuda_graph: the page table uses page id {batch.max_page} but the cache of the "
+                             f"last run() (what a replay reads) has {self._graph_num_pages} pages")
+
+    def _kernel_for(self, spec: AttentionSpec, tile, on_gpu: bool) -> tuple[Any, int, int]:
+        """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module."""
+        if not on_gpu:
+            return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)
+        kernel = dispatch.module(spec, self._device).kernels[tile.kernel]
+        return kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device)
+
+    def _prepare_launch(self, plan: Plan, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
+                        slots: int) -> None:
+        work = plan.work
+        d, hq = plan.head_dim, plan.num_qo_heads
+        ws = self._workspace.data_ptr() if kernel is not None else 0
+        persistent = getattr(families.get(plan.spec.family), "PERSISTENT", False)
+        if self._use_cuda_graph:
+            if self._graph_grid is None:
+                self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
+            grid_x = self._graph_grid
+        elif persistent:  # one resident CTA per slot walks the list (work_count items)
+            grid_x = min(work.num_items * plan.num_kv_heads, slots)
+        else:
+            grid_x = work.num_items * plan.num_kv_heads
+        if kernel is not None:  # one Launch per kernel and wrapper, re-aimed by each plan (it copies nothing)
+            launch = self._launches.get(kernel.ptr)
+            if launch is None or launch.kernel is not kernel:
+                launch = self._launches[kernel.ptr] = dispatch.Launch(self._op, kernel, (grid_x, 1, 1))
+            launch.grid, launch.plan = (grid_x, 1, 1), plan.decision()
+            plan.attn = launch
+        binding = plan.binding
+        kinds = binding.kinds()
+        fixed = {variant_param_name(n): check_value(binding.variant, n, kinds[n], v, device=self._device,
+                                                   sizes=plan.variant_sizes) for n, v in binding.bound.items()}
+        fixed.update({variant_param_name(n): 0 for n in binding.required})  # filled by each run()
+        plan.attn_values = plan.layout.values(
+            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
+            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"],
+            work_count=ptr["work_count"] if self._use_cuda_graph or persistent else 0,  # 0: the grid is the list
+            merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
+            kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
+            sm_scale_log2=sm_scale * _LOG2E, **fixed)
+        if kernel is not None:
+            assert len(plan.attn_values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
+
+    # --- run ----------------------------------------------------------------------------------------------
+
+    def _current_plan(self, variant_params: dict[str, Any] | None, return_lse: Any, lse) -> Plan:
+        """The plan run() executes, its variant parameters checked and put in the parameter struct."""
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(f"{type(self).__name__}.run() called before plan()")
+        if type(return_lse) is not bool:
+            raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+        want_lse = return_lse or lse is not None
+        if variant_params or plan.variant_slots or (want_lse and plan.binding.variant is not None):
+            variant_args(plan, self._device, variant_params or {}, want_lse)
+        return plan
+
+    def _run_compiled(self, q, k, v, out, lse, return_lse: bool, variant_params: dict):
+        """run() while torch.compile traces: the torch.ops.attnjit op that runs this wrapper's plan (ops/library.py).
+        Reads nothing of the plan here, so a new plan() does not make torch.compile recompile."""
+        if variant_params:
+            raise NotImplementedError(f"run-time variant parameters ({sorted(variant_params)}) are not supported "
+                                      "inside torch.compile; bind the values at plan() (a built-in option) or run "
+                                      "eagerly")
+        if out is None:
+            out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None)
+            if lse is not None:
+                lse.copy_(lse_)
+            else:
+                lse = lse_
+        else:
+            if lse is None and return_lse:
+                lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+            torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse)
+        return (out, lse) if return_lse else out
+
+    def _require_gpu(self, plan: Plan) -> None:
+        """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""
+        if not plan.on_gpu:
+            raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
+                             "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
+
+class _PagedMixin:
+    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
+            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, **variant_params: Any):
+        """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
+        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout. The
+        wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``)."""
+        if args:
+            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
+        if q_scale is not None or k_scale is not None or v_scale is not None:
+            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        variant_params = with_sinks(self._plan, variant_params, sinks)
+        if torch.compiler.is_compiling():
+            if window_left is not None:
+                raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
+            k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
+        plan = self._current_plan(variant_params, return_lse, lse)
+        if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
+            raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
+                             f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
+        cache = self._check_cache(plan, paged_kv_cache)
+        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        self._require_gpu(plan)
+        launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
+        return (out, lse) if return_lse else out
+
+    _op_kind = "paged"
+
+    def _check_cache(self, plan: Plan, paged_kv_cache) -> PagedCache:
+        memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
+        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan:
+            return memo[2]
+        cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
+        if cache.k.dtype != plan.kv_dtype or cache.k.device != self._device or cache.page_size != plan.page_size \
+                or cache.num_kv_heads != plan.num_kv_heads or cache.head_dim != plan.head_dim:
+            raise ValueError(
+                f"run(): paged_kv_cache must be {plan.kv_dtype} on {self._device} with page_size={plan.page_size}, "
+                f"H_kv={plan.num_kv_heads}, D={plan.head_dim} ({self._kv_layout}), as planned; got {cache.k.dtype} on "
+                f"{cache.k.device} with page_size={cache.page_size}, H_kv={cache.num_kv_heads}, D={cache.head_dim}")
+        if plan.max_page >= cache.num_pages:
+            raise ValueError(f"run(): the plan's page table uses page id {plan.max_page} but paged_kv_cache has "
+                             f"{cache.num_pages} pages")
+        if self._use_cuda_graph:
+            self._graph_num_pages = cache.num_pages
+        if isinstance(paged_kv_cache, torch.Tensor):  # a tuple is rebuilt by the caller each time: not memoized
+            self._cache_memo = (paged_kv_cache, plan, cache)
+        return cache
+
+    def _read_paged(self, names: tuple[str, str, str], qo_indptr, indptr, indices, last_page_len,
+                    page_size: int) -> P.Batch:
+        """Check and read a page table (qo_indptr None: decode, one query row per request)."""
+        dev = self._device
+        n_indptr, n_indices, n_last = names
+        if qo_indptr is None:  # decode: the batch size is the page table's
+            P.check_meta(n_indptr, indptr, dev)
+            if indptr.numel() < 1:
+                raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
+            P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
+            P.check_meta(n_indices, indices, dev)
+            kvp, last = P.to_host(indptr, last_page_len)
+            qo = np.arange(indptr.numel(), dtype=np.int64)
+        else:  # qo_indptr is read (and checked) first: it says how long the others must be
+            for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices), (n_last, last_page_len)):
+                P.check_meta(name, t, dev)
+            qo_h, kvp, last = P.to_host(qo_indptr, indptr, last_page_len)
+            qo = P.read_qo_indptr("qo_indptr", qo_h)
+            P.check_meta(n_indptr, indptr, dev, len(qo))
+            P.check_meta(n_last, last_page_len, dev, len(qo) - 1)
+        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size)
+
+
+_PAGED_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")

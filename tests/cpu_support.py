@@ -14,7 +14,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from filelock import FileLock
+
+from attnjit.cache import Job
 from attnjit.specs import AttentionSpec
+from attnjit.toolchain import Nvcc, flags_for, nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -129,3 +133,29 @@ def hidden_nvcc_env(tmp_path: Path, **extra: str) -> tuple[dict[str, str], Path]
     env = {k: v for k, v in os.environ.items() if k != "CUDA_HOME"}
     env.update(PATH=str(tmp_path / "empty-bin"), ATTNJIT_NVCC=str(poison), PYTHONPATH=str(REPO), **extra)
     return env, ran
+
+
+# --- cache-test pieces (test_cache.py, test_cache_roots.py) ---------------------------------------------------
+
+TINY_SOURCE = 'extern "C" __global__ void attnjit_tiny(int *p) { *p = 42; }\n'
+FAKE_NVCC = Nvcc(Path("/nonexistent/nvcc"), "fake nvcc, release 0.0")  # for jobs that never reach a compiler
+
+
+def cache_job(source: str, *, tool: Nvcc | None = None, label: str = "job", arch: str = "sm_90a") -> Job:
+    return Job(source=source, flags=flags_for(arch), nvcc=tool or nvcc(), arch=arch, label=label, meta={})
+
+
+def holds_no_lock(path: Path) -> bool:
+    lock = FileLock(str(path))
+    try:
+        lock.acquire(timeout=0)
+    except Exception:  # noqa: BLE001 (filelock.Timeout)
+        return False
+    lock.release()
+    return True
+
+
+def flip_cubin_byte(d: Path) -> None:
+    data = bytearray((d / "kernel.cubin").read_bytes())
+    data[len(data) // 3] ^= 0x01
+    (d / "kernel.cubin").write_bytes(bytes(data))

@@ -1,6 +1,6 @@
 """The content-addressed cache: key stability and sensitivity, atomic publication, one build per key across
-processes, crash safety, corruption, read-only roots and layers, strict mode, permissions, nvcc discovery,
-compile errors, lock timeouts, prune and clear. The ``nvcc``-marked tests compile real sm_90a kernels."""
+processes, crash safety, corruption, nvcc discovery, compile errors. The ``nvcc``-marked tests compile real sm_90a
+kernels. Roots, layers, permissions, lock timeouts, prune and clear: test_cache_roots.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import re
-import shlex
 import signal
 import stat
 import subprocess
@@ -19,36 +18,19 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
 
 from attnjit import jit
 from attnjit.cache import (CACHE_FORMAT_VERSION, BadEntryWarning, Cache, Job, compute_key)
-from attnjit.errors import (CacheMissError, CacheReadOnlyError, CompileError, LockTimeoutError, NvccNotFoundError,
-                            UnsafeCacheError)
+from attnjit.errors import CacheMissError, CompileError, NvccNotFoundError
 from attnjit.generator import Rendered
 from attnjit.specs import AttentionSpec
-from attnjit.toolchain import Nvcc, find_nvcc, flags_for, nvcc
-from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, entry_dir, kill_tagged,
-                               nvcc_wrapper, parse_summary, run_cli, snapshot, write_script)
+from attnjit.toolchain import Nvcc, find_nvcc, nvcc
+from tests.cpu_support import (APPEND_FP16, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, TINY_SOURCE, cache_job,
+                               entry_dir, flip_cubin_byte, holds_no_lock, kill_tagged, nvcc_wrapper, parse_summary,
+                               run_cli, write_script)
 
 KEY_INPUTS = dict(source='extern "C" __global__ void k(int *p) { *p = 1; }\n', flags=("-cubin", "-O3"), arch="sm_90a")
-TINY_SOURCE = 'extern "C" __global__ void attnjit_tiny(int *p) { *p = 42; }\n'
 BROKEN_SOURCE = '__global__ void k() { int x = ; }\n'
-FAKE_NVCC = Nvcc(Path("/nonexistent/nvcc"), "fake nvcc, release 0.0")  # for jobs that never reach a compiler
-
-
-def _job(source: str, *, tool: Nvcc | None = None, label: str = "job", arch: str = "sm_90a") -> Job:
-    return Job(source=source, flags=flags_for(arch), nvcc=tool or nvcc(), arch=arch, label=label, meta={})
-
-
-def _holds_no_lock(path: Path) -> bool:
-    lock = FileLock(str(path))
-    try:
-        lock.acquire(timeout=0)
-    except Exception:  # noqa: BLE001 (filelock.Timeout)
-        return False
-    lock.release()
-    return True
 
 
 # --- keys ---------------------------------------------------------------------------------------------------
@@ -250,7 +232,7 @@ def test_ensure_compiles_once(tmp_path):
 @pytest.mark.nvcc
 def test_one_failing_job_does_not_stop_the_others(tmp_path):
     root = tmp_path / "cache"
-    good, bad = _job(TINY_SOURCE, label="tiny"), _job(BROKEN_SOURCE, label="broken")
+    good, bad = cache_job(TINY_SOURCE, label="tiny"), cache_job(BROKEN_SOURCE, label="broken")
     results = Cache(root, layers=()).build([good, bad])
     assert [r.status for r in results] == ["built", "failed"]
     ok, failed = results
@@ -318,7 +300,7 @@ def test_a_cleaner_racing_a_new_build_dir_cannot_remove_it(tmp_path, monkeypatch
             Cache(root, layers=())._clean_stale_builds()  # what a concurrent `attnjit warm` does first
 
     monkeypatch.setattr(os, "mkdir", mkdir_then_race)
-    (result,) = cache.build([_job(TINY_SOURCE, label="tiny")])
+    (result,) = cache.build([cache_job(TINY_SOURCE, label="tiny")])
     assert raced, "the build made no temp dir"
     assert result.status == "built", result.error
 
@@ -351,7 +333,7 @@ def test_killed_build_leaves_no_entry_and_the_next_warm_recovers(tmp_path):
         warnings.simplefilter("error", BadEntryWarning)
         assert Cache(root, layers=()).lookup(key) is None
     assert Cache(root, layers=()).verify() == []
-    assert _holds_no_lock(root / ".locks" / f"{key}.lock"), "the dead builder's key lock is still held"
+    assert holds_no_lock(root / ".locks" / f"{key}.lock"), "the dead builder's key lock is still held"
     stale = [p for p in (root / ".tmp").glob("build-*") if p.is_dir()]
     assert stale, "expected the killed build's temp dir"
 
@@ -370,12 +352,6 @@ def _truncate_cubin(d: Path) -> None:
     (d / "kernel.cubin").write_bytes(data[: len(data) // 2])
 
 
-def _flip_cubin_byte(d: Path) -> None:
-    data = bytearray((d / "kernel.cubin").read_bytes())
-    data[len(data) // 3] ^= 0x01
-    (d / "kernel.cubin").write_bytes(bytes(data))
-
-
 def _delete_manifest(d: Path) -> None:
     (d / "manifest.json").unlink()
 
@@ -386,7 +362,7 @@ def _garbage_manifest(d: Path) -> None:
 
 CORRUPTIONS = [  # (spec, how, what verify says)
     (MERGE_FP16, _truncate_cubin, "kernel.cubin sha256"),
-    (MERGE_BF16, _flip_cubin_byte, "kernel.cubin sha256"),
+    (MERGE_BF16, flip_cubin_byte, "kernel.cubin sha256"),
     (APPEND_FP16, _delete_manifest, "manifest.json missing"),
     (PREFILL_D64, _garbage_manifest, "manifest.json unreadable"),
 ]
@@ -444,240 +420,3 @@ def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
             assert Cache(root, layers=()).lookup(key) is None
     (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest}))
     assert cache.lookup(key).dir == d
-
-
-# --- read-only roots and layers -------------------------------------------------------------------------------
-
-@pytest.mark.nvcc
-def test_read_only_root_serves_hits_and_refuses_builds(golden, tmp_path):
-    root = golden.copy(tmp_path / "ro")
-    root.chmod(0o555)
-    try:
-        before = snapshot(root)
-        cache = Cache(root, layers=())
-        assert not cache.root_writable()
-        binary = jit.ensure(MERGE_FP16, cache)
-        assert binary.how == "disk" and binary.entry.layer == root
-        assert [r.status for r in cache.build([jit.job_for(s) for s in golden.specs])] == ["cached"] * 4
-        missing = AttentionSpec(op="merge_state", head_dim=128, dtype="fp16")
-        with pytest.raises(CacheReadOnlyError) as info:
-            cache.build([jit.job_for(missing)])
-        msg = str(info.value)
-        assert f"cache root {root} is read-only; cannot build here" in msg and "ATTNJIT_CACHE_DIR" in msg
-        with pytest.raises(CacheReadOnlyError):
-            jit.ensure(missing, cache)
-        with pytest.raises(CacheReadOnlyError, match="nothing was removed"):
-            cache.clear()
-        assert snapshot(root) == before, "the read-only root was written"
-    finally:
-        root.chmod(0o700)
-
-
-@pytest.mark.nvcc
-def test_read_only_layer_is_searched_after_the_root_and_never_written(golden, tmp_path, monkeypatch):
-    layer = golden.copy(tmp_path / "layer")
-    layer.chmod(0o555)
-    root = tmp_path / "root"
-    try:
-        before = snapshot(layer)
-        monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(root))
-        monkeypatch.setenv("ATTNJIT_CACHE_PATH", f"{tmp_path / 'absent'}:{layer}")
-        cache = Cache()
-        assert cache.root == root and cache.layers == (tmp_path / "absent", layer)
-        entry = cache.lookup(golden.key(APPEND_FP16))
-        assert entry is not None and entry.layer == layer and entry.dir == entry_dir(layer, golden.key(APPEND_FP16))
-        monkeypatch.setenv("ATTNJIT_JIT", "0")  # strict mode is satisfied by a layer
-        binary = jit.ensure(APPEND_FP16)
-        assert binary.how == "disk" and binary.entry.layer == layer
-        assert [r.status for r in Cache().build([jit.job_for(s) for s in golden.specs])] == ["cached"] * 4
-        assert snapshot(layer) == before, "the read-only layer was written"
-        assert not root.exists(), "a hit in a layer created the root"
-        # the root comes first: an entry built there shadows the layer's
-        monkeypatch.setenv("ATTNJIT_JIT", "1")
-        built = Cache(root, layers=()).build([jit.job_for(MERGE_FP16)])[0]
-        assert built.status == "built"
-        assert Cache().lookup(golden.key(MERGE_FP16)).layer == root
-    finally:
-        layer.chmod(0o700)
-
-
-@pytest.mark.nvcc
-def test_strict_mode_miss_names_the_spec_and_the_command_that_warms_it(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    monkeypatch.setenv("ATTNJIT_JIT", "0")
-    cache = Cache(root, layers=())
-    with pytest.raises(CacheMissError) as info:
-        jit.ensure(MERGE_FP16, cache)
-    err, msg = info.value, str(info.value)
-    assert err.spec == MERGE_FP16 and err.key == jit.job_for(MERGE_FP16).key and err.searched == [root]
-    assert MERGE_FP16.canonical() in msg and "ATTNJIT_JIT=0" in msg
-    assert err.command in msg
-    argv = shlex.split(err.command)
-    assert argv[:2] == ["attnjit", "warm"] and argv[argv.index("--spec") + 1] == MERGE_FP16.as_flags()
-    assert argv[argv.index("--cache-dir") + 1] == str(root)
-    assert not root.exists(), "strict mode wrote to the cache"
-    # run the printed command (through this interpreter rather than whichever `attnjit` is on PATH)
-    proc = subprocess.run([sys.executable, "-m", "attnjit.cli", *argv[1:]], capture_output=True, text=True,
-                          cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert parse_summary(proc.stdout) == (1, 1, 0, 0)
-    binary = jit.ensure(MERGE_FP16, Cache(root, layers=()))
-    assert binary.how == "disk"
-
-
-# --- permissions ----------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
-def test_a_root_other_users_can_write_is_refused(tmp_path, mode):
-    root = tmp_path / "shared"
-    root.mkdir()
-    root.chmod(mode)
-    cache = Cache(root, layers=())
-    with pytest.raises(UnsafeCacheError) as info:
-        cache.lookup("00" * 32)
-    msg = str(info.value)
-    assert f"cache root {root} is writable by other users (mode {mode:04o})" in msg and "chmod go-w" in msg
-    with pytest.raises(UnsafeCacheError, match=re.escape(str(root))):
-        Cache(root, layers=()).build([_job(TINY_SOURCE, tool=FAKE_NVCC)])
-
-
-@pytest.mark.parametrize("mode", [0o777, 0o775])
-def test_a_layer_other_users_can_write_is_refused(tmp_path, mode):
-    layer = tmp_path / "layer"
-    layer.mkdir()
-    layer.chmod(mode)
-    cache = Cache(tmp_path / "root", layers=[layer])
-    with pytest.raises(UnsafeCacheError, match=re.escape(f"cache layer {layer} is writable by other users")):
-        cache.lookup("00" * 32)
-
-
-def test_private_and_read_only_roots_are_accepted(tmp_path):
-    for mode in (0o700, 0o755, 0o555):
-        root = tmp_path / f"root-{mode:o}"
-        root.mkdir()
-        root.chmod(mode)
-        assert Cache(root, layers=()).lookup("00" * 32) is None
-        root.chmod(0o700)
-
-
-def test_a_new_root_is_created_private(tmp_path):
-    root = tmp_path / "a" / "b" / "cache"
-    cache = Cache(root, layers=())
-    cache._ensure_root()
-    assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    assert {p.name for p in root.iterdir()} == {".tmp", ".locks", ".trash", "failed"}
-
-
-# --- lock timeout -----------------------------------------------------------------------------------------------
-
-def test_lock_timeout_names_the_lock_file(tmp_path, monkeypatch):
-    root = tmp_path / "cache"
-    cache = Cache(root, layers=())
-    cache._ensure_root()
-    job = _job(TINY_SOURCE, tool=FAKE_NVCC)
-    lock_path = root / ".locks" / f"{job.key}.lock"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom filelock import FileLock\n"
-         "lock = FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True); time.sleep(120)\n",
-         str(lock_path)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        monkeypatch.setenv("ATTNJIT_LOCK_TIMEOUT", "1")
-        t0 = time.monotonic()
-        with pytest.raises(LockTimeoutError) as info:
-            cache.build([job])
-        waited = time.monotonic() - t0
-    finally:
-        holder.kill()
-        holder.wait()
-    assert 1.0 <= waited < 10
-    assert info.value.lock_path == lock_path and info.value.timeout == 1.0
-    assert str(lock_path) in str(info.value) and "ATTNJIT_LOCK_TIMEOUT" in str(info.value)
-    # the holder is gone: the lock is free again
-    assert _holds_no_lock(lock_path)
-
-
-def test_bad_lock_timeout_setting_is_reported(monkeypatch, tmp_path):
-    monkeypatch.setenv("ATTNJIT_LOCK_TIMEOUT", "-3")
-    with pytest.raises(ValueError, match=r"ATTNJIT_LOCK_TIMEOUT='-3' is invalid: expected a positive number"):
-        Cache(tmp_path / "cache", layers=()).build([_job(TINY_SOURCE, tool=FAKE_NVCC)])
-
-
-# --- prune and clear ------------------------------------------------------------------------------------------
-
-@pytest.mark.nvcc
-def test_prune_removes_least_recently_used_and_bad_entries_first(golden, tmp_path):
-    root = golden.copy(tmp_path / "cache")
-    cache = Cache(root, layers=())
-    order = [MERGE_FP16, MERGE_BF16, APPEND_FP16, PREFILL_D64]  # oldest use first
-    now = time.time()
-    sizes = {}
-    for i, spec in enumerate(order):
-        entry = cache.lookup(golden.key(spec))
-        os.utime(entry.cubin, (now - 1000 + 100 * i, now - 1000 + 100 * i))
-        sizes[spec] = entry.bytes
-    total = sum(sizes.values())
-    assert cache.prune(total) == (0, total)
-    # keep the two most recently used
-    keep = sizes[APPEND_FP16] + sizes[PREFILL_D64]
-    assert cache.prune(keep) == (2, keep)
-    assert [s for s in order if cache.lookup(golden.key(s))] == [APPEND_FP16, PREFILL_D64]
-    # a bad entry goes before an older good one
-    _flip_cubin_byte(entry_dir(root, golden.key(PREFILL_D64)))
-    assert cache.prune(sizes[APPEND_FP16]) == (1, sizes[APPEND_FP16])
-    assert cache.lookup(golden.key(APPEND_FP16)) is not None
-    assert not entry_dir(root, golden.key(PREFILL_D64)).exists()
-    assert cache.prune(0) == (1, 0)
-    assert list(cache.iter_entries()) == []
-    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
-        cache.prune(-1)
-
-
-@pytest.mark.nvcc
-def test_clear_removes_root_entries_but_never_layers(golden, tmp_path):
-    root = golden.copy(tmp_path / "root")
-    layer = golden.copy(tmp_path / "layer")
-    (root / "failed" / "junk").mkdir(parents=True)
-    cache = Cache(root, layers=[layer])
-    assert cache.clear() == 4
-    assert [base for base, *_ in cache.iter_entries()] == [layer] * 4
-    assert not (root / "failed").exists()
-    assert cache.clear() == 0
-    assert Cache(tmp_path / "never-made", layers=()).clear() == 0
-
-
-# --- strict-mode messages ---------------------------------------------------------------------------------------
-
-@pytest.mark.nvcc
-def test_a_strict_miss_on_a_bad_entry_says_it_was_bad_and_why(golden, tmp_path, monkeypatch):
-    root = golden.copy(tmp_path / "cache")
-    d = entry_dir(root, golden.key(MERGE_BF16))
-    _flip_cubin_byte(d)
-    monkeypatch.setenv("ATTNJIT_JIT", "0")
-    with pytest.warns(BadEntryWarning), pytest.raises(CacheMissError) as info:
-        jit.ensure(MERGE_BF16, Cache(root, layers=()))
-    err, msg = info.value, str(info.value)
-    assert err.bad == ((d, err.bad[0][1]),) and err.bad[0][1].startswith("kernel.cubin sha256")
-    assert msg.startswith(f"kernel in the cache is bad ({d}: kernel.cubin sha256 ")
-    assert "ATTNJIT_JIT=0 forbids compiling" in msg and "not in the cache" not in msg and err.command in msg
-
-
-@pytest.mark.nvcc
-def test_a_strict_miss_for_a_main_variant_says_it_cannot_be_named(tmp_path, monkeypatch):
-    import pickle
-
-    from attnjit import Variant
-
-    local = Variant("local_cap", params={"cap": float}, logits_transform="return cap * tanhf(logit / cap);")
-    spec = AttentionSpec(op="prefill", head_dim=64, page_size=16, dtype="fp16", variant=local)
-    monkeypatch.setenv("ATTNJIT_JIT", "0")
-    with pytest.raises(CacheMissError) as info:
-        jit.ensure(spec, Cache(tmp_path / "cache", layers=()))
-    err, msg = info.value, str(info.value)
-    assert err.command is None and "attnjit warm" not in msg
-    assert "Its variant 'local_cap' was declared in __main__ (or not at module level), so no catalog or --spec can " \
-           "name it" in msg and "attnjit.warm([spec])" in msg
-    # the error pickles (a Variant itself does not yet, so check a plain spec's)
-    plain = CacheMissError(MERGE_FP16, "ab" * 32, [tmp_path], None, bad=((tmp_path, "why"),), hint=err.hint)
-    back = pickle.loads(pickle.dumps(plain))
-    assert type(back) is CacheMissError and str(back) == str(plain) and back.bad == plain.bad

@@ -20,7 +20,7 @@ from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPref
                                    BatchPrefillWithRaggedKVCacheWrapper)
 from attnjit.ops.scheduler import MAX_WORK_ITEMS
 from tests.helpers import i32
-from tests.test_plan_cpu import decode_args, paged_args, ragged_args, workspace
+from tests.plan_support import decode_args, paged_args, ragged_args, workspace
 
 WRAPPERS = {"paged": (BatchPrefillWithPagedKVCacheWrapper, paged_args),
             "decode": (BatchDecodeWithPagedKVCacheWrapper, decode_args),

@@ -13,7 +13,7 @@ import attnjit
 from attnjit.ops import library
 from attnjit.errors import NoGPUError
 from tests.helpers import i32
-from tests.test_plan_cpu import decode_args, paged_args, ragged_args, workspace
+from tests.plan_support import decode_args, paged_args, ragged_args, workspace
 
 OPS = ["batch_run", "batch_run_out", "single_prefill", "single_decode", "merge_state", "merge_state_in_place",
        "merge_states", "append_paged_kv_cache"]

@@ -13,7 +13,7 @@ from attnjit.ops import planner
 from attnjit.ops.attention import BatchDecodeWithPagedKVCacheWrapper
 from tests.helpers import i32
 from tests.test_inputs import WRAPPERS, _column
-from tests.test_plan_cpu import workspace
+from tests.plan_support import workspace
 
 
 # --- the device metadata layout (run here with a CPU "device": the same code a GPU plan runs) ---------------

@@ -107,7 +107,7 @@ def _cp_rank(rank: int, world: int, arg_dict: dict, backend: str, out: str) -> N
 
     args = argparse.Namespace(**arg_dict)
     on_gpu = torch.cuda.is_available()
-    ops = context_parallel_ops("attnjit" if on_gpu else "reference", combine=args.cp_combine)
+    ops = context_parallel_ops(backend, combine=args.cp_combine)  # main() allows attnjit (GPU) or reference
     result, rc = serve(args, backend, device=f"cuda:{rank}" if on_gpu else "cpu", ops=ops, quiet=True)
     every = [None] * world
     dist.all_gather_object(every, [r["generated"] for r in result["requests"]])

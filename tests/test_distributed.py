@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -373,6 +374,25 @@ def test_attnjit_wrappers_plan_on_a_cpu_in_graph_mode(world_of_one):
     p.plan(qo, kvp, idx, last, 32, 8, 128, 4, causal=True, q_data_type=torch.bfloat16)
     with pytest.raises(NoGPUError, match="kernels run on CUDA devices only"):
         p.run(b.q, b.cache)
+
+
+def test_unsupported_arguments_are_rejected_even_when_they_equal_another_arguments_default(world_of_one):
+    """0 is not False and 0.0 is not None: window_left=0, logits_soft_cap=0.0 and a custom mask tensor of any size
+    are NotImplementedError naming the argument, never silently ignored; the real defaults pass."""
+    ws = torch.empty(1, dtype=torch.uint8)
+    b = _batch("prefill_causal")
+    qo, kvp, idx, last = b.tensors("cpu")
+    w = ContextParallelPrefill(ws, local_backend="reference")
+    for name, value, shown in (("window_left", 0, "window_left=0"), ("logits_soft_cap", 0.0, "logits_soft_cap=0.0"),
+                               ("custom_mask", torch.zeros(1), "custom_mask=a Tensor"),
+                               ("custom_mask", torch.ones(5, dtype=torch.bool), "custom_mask=a Tensor"),
+                               ("pos_encoding_mode", "ALIBI", "pos_encoding_mode='ALIBI'"),
+                               ("use_fp16_qk_reduction", 1, "use_fp16_qk_reduction=1")):
+        with pytest.raises(NotImplementedError, match=re.escape(f"plan(): {shown} is not supported")):
+            w.plan(qo, kvp, idx, last, H_Q, H_KV, D, 4, causal=True, **{name: value})
+    w.plan(qo, kvp, idx, last, H_Q, H_KV, D, 4, causal=True, q_data_type=torch.float64, window_left=-1,
+           pos_encoding_mode="NONE", logits_soft_cap=None, custom_mask=None, use_fp16_qk_reduction=False,
+           non_blocking=True)
 
 
 def test_wrapper_errors_name_the_argument(world_of_one):

@@ -166,6 +166,16 @@ def test_the_sink_wrapper_takes_sinks_and_sm_scale_as_flashinfer_does():
         plan_prefill(w, sinks=False)
 
 
+def test_a_failed_replan_leaves_the_sink_wrappers_last_plan_and_its_scale_whole():
+    q, cache = inputs()
+    w = plan_prefill(BatchAttentionWithAttentionSinkWrapper(ws()), sm_scale=0.5)
+    with pytest.raises(ValueError, match=r"sm_scale"):
+        plan_prefill(w, sm_scale=-3.0)
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, sinks=torch.zeros(H_Q))  # the last good plan's scale, not a TypeError
+    assert math.isclose(w._plan.attn_values[_SCALE], 0.5 * math.log2(math.e), rel_tol=1e-12)
+
+
 def test_variant_rules_for_sinks():
     other = attnjit.Variant("other_sink", params={"s2": float}, sink="return s2;")
     with pytest.raises(ValueError, match=r"both declare a sink"):

@@ -38,15 +38,24 @@ def _host(name: str, t: Any) -> np.ndarray:
     return np.asarray(t, dtype=np.int64)
 
 
-_DEFAULTS = (None, False, -1, "NONE")
+# the FlashInfer arguments whose default is neither None nor False; every other one defaults to None or False
+_DEFAULTS = {"window_left": -1, "pos_encoding_mode": "NONE"}
+
+
+def _at_default(name: str, value: Any) -> bool:
+    if value is None or value is False:
+        return True
+    default = _DEFAULTS.get(name)
+    return default is not None and type(value) is type(default) and value == default  # 0 is not False, 0.0 not None
 
 
 def _reject(where: str, unused: dict) -> None:
     """FlashInfer arguments this wrapper does not implement must be at their defaults (never silently ignored)."""
-    bad = {k: v for k, v in unused.items() if k != "non_blocking" and not any(v is d or v == d for d in _DEFAULTS)}
+    bad = {k: v for k, v in unused.items() if k != "non_blocking" and not _at_default(k, v)}
     if bad:
         name = sorted(bad)[0]
-        raise NotImplementedError(f"{where}: {name}={bad[name]!r} is not supported by the context-parallel wrappers "
+        shown = f"a {type(bad[name]).__name__}" if isinstance(bad[name], torch.Tensor) else repr(bad[name])
+        raise NotImplementedError(f"{where}: {name}={shown} is not supported by the context-parallel wrappers "
                                   "(soft-cap, windows, ALiBi, custom masks and variants are single-GPU features here)")
 
 

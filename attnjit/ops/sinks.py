@@ -25,9 +25,9 @@ import torch
 
 from ..generator import PARAMS
 from . import planner as P
+from .planner import _LOG2E
 from .attention import BatchPrefillWithPagedKVCacheWrapper
 
-_LOG2E = 1.4426950408889634
 _SCALE = PARAMS["attention"].index["sm_scale_log2"]
 
 
@@ -55,15 +55,12 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
         P.plan_dtypes(q_data_type, kv_data_type, None)
         P.plan_options(head_dim=head_dim_qk, window_left=window_left, pos_encoding_mode=pos_encoding_mode)
-        self._plan_sm_scale: float | None = None
 
     def plan(self, *args: Any, sinks: Any = True, **kwargs: Any) -> None:
         """BatchPrefillWithPagedKVCacheWrapper.plan(), always with the sink."""
         if sinks is not True:
             raise ValueError(f"{type(self).__name__}.plan(): every plan has the sink; got sinks={sinks!r}")
-        self._plan_sm_scale = None
         super().plan(*args, sinks=True, **kwargs)
-        self._plan_sm_scale = self._plan.attn_values[_SCALE] / _LOG2E
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, sinks=None, sm_scale: float | None = None,
             **kwargs: Any):
@@ -83,7 +80,7 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
             raise TypeError(f"{type(self).__name__}.run() needs the sinks (float32 [num_qo_heads])")
         plan = self._plan
         if plan is not None:  # FlashInfer takes the softmax scale per call: it is a kernel parameter, not code
-            scale = self._plan_sm_scale if sm_scale is None else P.as_real("sm_scale", sm_scale)
+            scale = plan.settings["sm_scale"] if sm_scale is None else P.as_real("sm_scale", sm_scale)
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
             plan.attn_values[_SCALE] = scale * _LOG2E

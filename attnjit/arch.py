@@ -13,20 +13,17 @@ all on a machine without a driver.
 from __future__ import annotations
 
 import ctypes
-import re
 from functools import lru_cache
 
 from . import knobs
-from .specs import DEFAULT_ARCH
+from .specs import DEFAULT_ARCH, supported_arch
 
-_ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
 _CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
 
 
 def check_arch(arch: str, where: str) -> str:
-    m = _ARCH_RE.match(arch.strip())
-    if not m or int(m.group(1)) < 80:
+    if not supported_arch(arch.strip()):
         raise ValueError(f"{where}: {arch!r} is not an arch attnjit builds for; expected sm_XY or sm_XYa with "
                          "XY >= 80, e.g. sm_80, sm_90a")
     return arch.strip()

@@ -46,21 +46,22 @@ import warnings
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from filelock import FileLock, Timeout
 
 from . import knobs
-from .build import (STARTED, BuildEvent, Outcome, Target, first_error_line, quiet_signals, restore_signals,
-                    run_ninja)
+from .build import (CUBIN, SOURCE, STARTED, BuildEvent, Outcome, Target, first_error_line,  # noqa: F401 (SOURCE)
+                    quiet_signals, restore_signals, run_ninja)
 from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .toolchain import Nvcc, nvcc
 from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
                     read_file)
 
 CACHE_FORMAT_VERSION = 2   # 2: the nvcc version left the key and went into the manifest's "toolchain"
-CUBIN, SOURCE, LOG, MANIFEST = "kernel.cubin", "kernel.cu", "build.log", "manifest.json"
+MANIFEST = "manifest.json"  # beside build.py's CUBIN and SOURCE
 BATCH = 256                # keys whose locks one ninja run holds
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -95,8 +96,8 @@ class Job:
     context: Any = field(default=None, compare=False)
     nvcc: Nvcc | None = field(default=None, compare=False)  # None: the local nvcc, found only if a build is needed
 
-    @property
-    def key(self) -> str:
+    @cached_property
+    def key(self) -> str:  # a rendered source is ~85 KB: hashed once per job, not per use
         return compute_key(source=self.source, flags=self.flags, arch=self.arch)
 
 
@@ -319,6 +320,15 @@ class Cache:
         """(base, key, entry, problem) for every entry directory under the given bases (default: all).
 
         A shard directory that cannot be listed is one row whose key is the shard's two-hex-digit name."""
+        for base, name, problem in self._rows(bases):
+            if problem is None:
+                yield base, name, *self.read_entry(base, name)
+            else:
+                yield base, name, None, problem
+
+    def _rows(self, bases: Iterable[Path] | None) -> Iterable[tuple[Path, str, str | None]]:
+        """(base, key, None) for every entry directory, unverified, and (base, shard, problem) for an unreadable
+        shard; each base checked as trusted first."""
         for base in (bases if bases is not None else self.search_path()):
             self._check_safe(base, self._what(base))
             if not base.is_dir():
@@ -329,12 +339,11 @@ class Cache:
                 try:
                     names = sorted(p.name for p in shard.iterdir())
                 except OSError as exc:
-                    yield base, shard.name, None, f"shard directory unreadable: {exc.strerror or exc}"
+                    yield base, shard.name, f"shard directory unreadable: {exc.strerror or exc}"
                     continue
                 for name in names:
                     if _KEY_RE.match(name) and name.startswith(shard.name):
-                        entry, problem = self.read_entry(base, name)
-                        yield base, name, entry, problem
+                        yield base, name, None
 
     # --- building -----------------------------------------------------------------------------------------
 
@@ -461,7 +470,7 @@ class Cache:
             except OSError as exc:
                 raise BuildSetupError(bdir, exc.strerror or str(exc)) from None
             by_target = {j.key: j for j in jobs}
-            targets = [Target(j.key, j.source, j.nvcc.path, j.flags, j.label) for j in jobs if j.nvcc]
+            targets = [Target(j.key, j.source, j.nvcc.path, j.flags, j.label) for j in jobs]  # build() gave each an nvcc
 
             def finished(out: Outcome) -> None:
                 job = by_target[out.key]
@@ -568,7 +577,7 @@ class Cache:
         out: dict[str, Any] = {}
         for base in self.search_path():
             count = size = 0
-            for b, key, entry, _problem in self.iter_entries([base]):
+            for b, key, _problem in self._rows([base]):  # counting needs no verification (verify does that)
                 count += 1
                 size += dir_bytes(self.row_dir(b, key))
             out[str(base)] = {"entries": count, "bytes": size, "exists": base.is_dir()}

@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import knobs
+from .build import restore_signals
 from .cache import Cache, dir_bytes
 from .pack import FORMATS
 from .errors import AttnjitError, CatalogError
@@ -142,8 +143,7 @@ def _interruptible(caught: dict[str, str]):
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        restore_signals(old)
 
 
 _SIGNAL_EXIT = {"SIGINT": 130, "SIGTERM": 143}

@@ -102,9 +102,9 @@ LOCK_TIMEOUT: Knob[float] = Knob(
     "ATTNJIT_LOCK_TIMEOUT", 900.0, _positive_float,
     "seconds to wait for another process's build of the same kernel before giving up")
 def _arch(raw: str) -> str:
-    import re
+    from .specs import supported_arch  # specs imports nothing of knobs
 
-    if not re.fullmatch(r"sm_(\d{2,3})a?", raw.strip()) or int(re.sub(r"\D", "", raw)) < 80:
+    if not supported_arch(raw.strip()):
         raise ValueError("expected sm_XY or sm_XYa with XY >= 80, e.g. sm_80, sm_90a")
     return raw.strip()
 

@@ -53,8 +53,6 @@ def toolchain_matches(manifest: dict, text: str) -> bool:
 @dataclass(frozen=True, eq=False)
 class Item:
     dir: Path
-    key: str
-    valid: bool
     used: float
     size: int
     manifest: dict | None   # None for a bad entry
@@ -68,7 +66,7 @@ def _items(cache: Cache) -> list[Item]:
             used = (d / CUBIN).lstat().st_mtime
         except OSError:
             used = 0.0
-        items.append(Item(d, key, entry is not None, used, dir_bytes(d), entry.manifest if entry else None))
+        items.append(Item(d, used, dir_bytes(d), entry.manifest if entry else None))
     return items
 
 
@@ -104,9 +102,11 @@ def prune(cache: Cache, max_bytes: int | None = None, *, built_by: str | None = 
     if max_bytes is None and built_by is None:
         raise ValueError("prune needs max_bytes or built_by")
     items = _items(cache) if cache.root.is_dir() else []
-    doomed = [i for i in items if built_by is not None and i.manifest is not None
-              and toolchain_matches(i.manifest, built_by)]
-    rest = sorted((i for i in items if i not in doomed), key=lambda i: (i.valid, i.used))  # bad, then oldest
+    doomed, rest = [], []
+    for i in items:
+        by = built_by is not None and i.manifest is not None and toolchain_matches(i.manifest, built_by)
+        (doomed if by else rest).append(i)
+    rest.sort(key=lambda i: (i.manifest is not None, i.used))  # bad, then oldest
     total = sum(i.size for i in rest)
     if max_bytes is not None:
         for item in rest:

@@ -126,6 +126,16 @@ def split_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     return paged_kv_cache[0], paged_kv_cache[1]
 
 
+def write_slots(paged_kv_cache, page: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layout: str = "NHD") -> None:
+    """In place: token i's k/v [nnz, H_kv, D] into page[i], slot[i] of the cache (of the cache's dtype)."""
+    ck, cv = split_cache(paged_kv_cache)
+    if layout == "NHD":
+        ck[page, slot], cv[page, slot] = k, v
+    else:
+        ck[page, :, slot], cv[page, :, slot] = k, v
+
+
 def batch_paged(q: torch.Tensor, paged_kv_cache, qo_indptr: list[int], kv_indptr: list[int], kv_indices: list[int],
                 last_page_len: list[int], *, page_size: int, causal: bool, layout: str = "NHD",
                 sm_scale: float | None = None, hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:

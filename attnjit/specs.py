@@ -35,6 +35,13 @@ _DTYPE_ALIASES = {
 }
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 
+
+def supported_arch(arch: str) -> bool:
+    """sm_XY or sm_XYa with XY >= 80: the archs attnjit builds for (the one rule; callers strip their input)."""
+    m = _ARCH_RE.match(arch)
+    return m is not None and int(m.group(1)) >= 80
+
+
 # Which fields each op uses. A field outside its op's set must be left unset: a spec never carries a value
 # that does not change its kernel, so two specs that compile to the same code are equal.
 _FIELDS_BY_OP = {
@@ -186,8 +193,7 @@ class AttentionSpec:
             g = self.group_size
             if type(g) is not int or not 1 <= g <= MAX_GROUP_SIZE:
                 raise SpecError("group_size", g, f"expected an integer H_q/H_kv from 1 to {MAX_GROUP_SIZE}")
-        m = _ARCH_RE.match(str(self.arch))
-        if not m or int(m.group(1)) < 80:
+        if not supported_arch(str(self.arch)):
             raise SpecError("arch", self.arch, "expected sm_XY or sm_XYa with XY >= 80 (e.g. sm_90a, sm_80)")
         if "family" in used:
             from . import families  # families know nothing of specs at import time

@@ -107,10 +107,7 @@ def read_file(dir_fd: int, name: str, what: str, max_bytes: int) -> bytes:
     by others, and a file larger than ``max_bytes``; raises ``FileNotFoundError``/``PermissionError`` for a missing
     or unreadable one. Never blocks and never reads more than ``max_bytes + 1`` bytes.
     """
-    try:
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        raise
+    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     if not stat.S_ISREG(st.st_mode):  # checked before open: opening a device can have effects
         raise Untrusted(f"{what} is {_kind(st.st_mode)}, not a regular file")
     try:

@@ -9,18 +9,17 @@ beyond bf16/fp16 rounding is an error, not a winner.
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
-from . import families
+from . import dispatch, families
 from .cache import Cache
 from .errors import NoGPUError
 from .specs import AttentionSpec
+from .timing import time_ms
 from .tuning import Record, TuningStore, gpu_id, untuned
 
 KV_HEADS = 8
-_BACKEND = {"sm90": "sm90", "fa2": "fa2"}
 
 
 @dataclass(frozen=True)
@@ -29,22 +28,6 @@ class Outcome:
     ms: dict[str, float]      # tile name -> median ms
     best: str | None          # None: nothing to tune
     note: str = ""
-
-
-def _time_ms(torch, fn, reps: int, blocks: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(blocks):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / reps)
-    return statistics.median(out)
 
 
 def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | None):
@@ -58,7 +41,7 @@ def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | N
     q = torch.randn(batch * length, hq, d, dtype=dt, device=dev, generator=gen)
     qo = torch.arange(0, batch * length + 1, length, dtype=torch.int32)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    kw = dict(backend=_BACKEND[spec.family], variant=spec.variant, tile=tile)
+    kw = dict(backend=spec.family, variant=spec.variant, tile=tile)  # a family name is a backend name
     causal = spec.mask == "causal"
     if spec.kv == "ragged":
         k, v = (torch.randn(batch * length, KV_HEADS, d, dtype=dt, device=dev, generator=gen) for _ in range(2))
@@ -98,7 +81,7 @@ def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache:
         if w.last_plan.get("tile") is None:
             raise RuntimeError(f"tune: the plan of {spec.short_name()} reports no tile")
         out = torch.empty_like(q)
-        ms[name] = _time_ms(torch, lambda: run(out), reps)
+        ms[name] = time_ms(lambda: run(out), reps=reps, blocks=5, warmup=3)
         if ref is None:
             ref = out.float()
         else:
@@ -109,9 +92,8 @@ def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache:
         say(f"  {spec.short_name()} tile {name}: {ms[name]:.4f} ms")
     best = min(ms, key=ms.get)
     device = torch.cuda.get_device_name()
-    arch = spec.arch
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    record = Record(spec=spec.canonical(), gpu=gpu_id(arch, sms), tile=best, ms=ms, device=device,
+    sms = dispatch.num_sms(q.device)  # the SM count plan() reads the record with
+    record = Record(spec=spec.canonical(), gpu=gpu_id(spec.arch, sms), tile=best, ms=ms, device=device,
                     workload=f"prefill {batch}x{length}, {KV_HEADS * spec.group_size} query / {KV_HEADS} KV heads")
     TuningStore(cache).write(record)
     return Outcome(spec, ms, best)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,27 +30,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
+from attnjit.timing import time_ms  # noqa: E402
 from benchmarks import cascade, prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
 PREFILL_ROWS = [(1, 8192), (8, 2048), (32, 512)]
-
-
-def time_ms(fn, reps: int = 30, blocks: int = 7, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    means = []
-    for _ in range(blocks):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        means.append(start.elapsed_time(end) / reps)
-    return statistics.median(means)
 
 
 def paged_tables(batch: int, kv_len: int, seed: int = 0):
@@ -77,7 +61,7 @@ def load_flashinfer():
 
 
 def bench_decode(fi, rows, results):
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = _ws()
     for batch, kv_len in rows:
         indptr, indices, last, cache = paged_tables(batch, kv_len)
         q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
@@ -151,41 +135,29 @@ VARIANT_ROWS = [("default", {}, {}, {}), ("noop variant", {}, {}, None),
 
 
 def bench_variants(fi, results) -> None:
-    """Cost of each built-in on a decode and a prefill row, against the default kernel and FlashInfer's feature."""
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for op, (batch, length) in (("decode", (64, 4096)),):
-        indptr, indices, last, cache = paged_tables(batch, length, seed=2)
-        nq = batch if op == "decode" else batch * length
-        q = torch.randn(nq, H_Q, D, dtype=DT, device="cuda")
-        qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        for feature, plan_kw, run_kw, fi_kw in VARIANT_ROWS:
-            row = {"op": f"{op} variants", "shape": f"{batch}x{length}", "feature": feature}
-            variant = NOOP if feature == "noop variant" else None
-            if op == "decode":
-                w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, variant=variant)
-                w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, **plan_kw)
-            else:
-                w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, variant=variant)
-                w.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT, **plan_kw)
-            row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out, **run_kw))
-            if fi is not None and fi_kw is not None:
-                try:
-                    if op == "decode":
-                        fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
-                        fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT, **fi_kw)
-                    else:
-                        fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws_fi(), "NHD", backend="fa2")
-                        fw.plan(qo_indptr, indptr, indices, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT,
-                                kv_data_type=DT, **fi_kw)
-                    fout = torch.empty_like(q)
-                    row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
-                    row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
-                except Exception as exc:  # noqa: BLE001
-                    row["flashinfer_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-            results.append(row)
-        del cache
-        torch.cuda.empty_cache()
+    """Cost of each built-in on a decode row, against the default kernel and FlashInfer's feature (the prefill
+    variants: prefill.bench_variants)."""
+    batch, length = 64, 4096
+    indptr, indices, last, cache = paged_tables(batch, length, seed=2)
+    q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
+    out = torch.empty_like(q)
+    for feature, plan_kw, run_kw, fi_kw in VARIANT_ROWS:
+        row = {"op": "decode variants", "shape": f"{batch}x{length}", "feature": feature}
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(_ws(), variant=NOOP if feature == "noop variant" else None)
+        w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, **plan_kw)
+        row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out, **run_kw))
+        if fi is not None and fi_kw is not None:
+            try:
+                fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
+                fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT, **fi_kw)
+                fout = torch.empty_like(q)
+                row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
+                row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001
+                row["flashinfer_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        results.append(row)
+    del cache
+    torch.cuda.empty_cache()
 
 
 def variant_table(rows) -> str:
@@ -255,7 +227,7 @@ def sweep_prefill(rows) -> list[dict]:
 def sweep_grid(rows) -> list[dict]:
     """Prefill with a persistent grid (CTAs loop over the work list with stride gridDim.x) of 1x, 2x or 3x the
     resident slots, against one CTA per (item, head): does CTA launch/retire cost matter on short rows?"""
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    ws = _ws()
     out = []
     for batch, length in rows:
         indptr, indices, last, cache = paged_tables(batch, length, seed=1)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -38,24 +37,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
 from attnjit.distributed import ContextParallelDecode, launch  # noqa: E402
 from attnjit.distributed.combine import METHODS, _all_gather  # noqa: E402
+from attnjit.timing import time_ms as _time_ms  # noqa: E402
 
 
-def time_ms(fn, reps: int, blocks: int, warmup: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    means = []
-    for _ in range(blocks):
-        if dist.is_initialized():
-            dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        means.append(start.elapsed_time(end) / reps)
-    return statistics.median(means)
+def time_ms(fn, reps: int, blocks: int) -> float:
+    """attnjit.timing.time_ms with the ranks lined up before each block."""
+    return _time_ms(fn, reps, blocks, before_block=dist.barrier if dist.is_initialized() else None)
 
 
 def capture(fn, device):

@@ -88,13 +88,13 @@ def timed(fn, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
 @contextmanager
 def step_timers(totals: dict):
     """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
-    from attnjit.ops import _upload, _wrapper, attention, planner as plan_inputs
+    from attnjit.ops import _upload, _wrapper, planner as plan_inputs
 
     targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
                (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
                (_wrapper._AttentionWrapper, "_prepare_launch", "launch setup"),
-               (attention, "spec_for", "spec + variant"), (_wrapper._AttentionWrapper, "_bind", "spec + variant")]
+               (_wrapper, "spec_for", "spec + variant"), (_wrapper._AttentionWrapper, "_bind", "spec + variant")]
     saved = []
     for owner, attr, label in targets:
         fn = getattr(owner, attr)
@@ -176,6 +176,9 @@ def main() -> dict:
     except ImportError:
         names = ("attnjit",)
     wheres = ("host", "device") if cuda else ("host",)
+    workspaces = {"attnjit": ws}
+    if "flashinfer" in names:
+        workspaces["flashinfer"] = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     rows = []
     for op in ("decode", "prefill"):
         for batch in BATCHES:
@@ -183,8 +186,7 @@ def main() -> dict:
                 meta = metadata(batch, op, "cpu" if where == "host" else dev)
                 row = {"op": op, "batch": batch, "metadata": where}
                 for name in names:
-                    fws = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if name == "flashinfer" else ws
-                    _, fn = planner(name, op, fws, meta)
+                    _, fn = planner(name, op, workspaces[name], meta)
                     row[name] = timed(fn, cuda=cuda)
                 if "flashinfer" in row:
                     row["ratio_min"] = round(row["attnjit"]["min_us"] / row["flashinfer"]["min_us"], 2)

@@ -2,7 +2,7 @@
 and fa3 backends, and torch SDPA (cuDNN) on the same shapes, in one process.
 
 A row is causal or not, paged (page_size) or ragged, at one head dim; FLOPs = 4 * B * H_q * D * L^2 (halved when
-causal), TFLOP/s = FLOPs / time. Every call is timed back to back in the stream (bench.time_ms). SDPA runs on
+causal), TFLOP/s = FLOPs / time. Every call is timed back to back in the stream (attnjit.timing.time_ms). SDPA runs on
 contiguous [B, H_q, L, D] tensors (KV heads expanded), the other three on the same paged/ragged inputs.
 """
 

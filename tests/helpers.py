@@ -17,6 +17,21 @@ def i32(values, device="cpu") -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
+def page_tables(kv_lens, page_size: int, pool_pages: int, seed: int) -> tuple[list[int], list[int], list[int]]:
+    """(indptr, indices, last_page_len) of requests with these KV lengths over distinct shuffled pages of a pool."""
+    rng = random.Random(seed)
+    ids = list(range(pool_pages))
+    rng.shuffle(ids)
+    indptr, indices, last = [0], [], []
+    for k in kv_lens:
+        n = -(-k // page_size)
+        indices += ids[:n]
+        ids = ids[n:]
+        indptr.append(len(indices))
+        last.append(k - page_size * (n - 1))
+    return indptr, indices, last
+
+
 @dataclass
 class PagedBatch:
     qo_lens: list[int]

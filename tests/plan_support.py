@@ -10,6 +10,8 @@ from collections import defaultdict
 import torch
 
 from attnjit.families import tiles_for
+from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
+                                   BatchPrefillWithRaggedKVCacheWrapper)
 from attnjit.ops.scheduler import MIN_CHUNK, plan_work
 from attnjit.specs import AttentionSpec
 from tests.helpers import i32
@@ -145,3 +147,17 @@ def check_work(work, *, qo_lens, kv_lens, group, tile, causal, max_slots, fixed=
 
 DECODE_G4 = AttentionSpec(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)
 NARROW = tiles_for(DECODE_G4)[0]
+
+
+# each wrapper kind with the builder of its seed plan() arguments
+WRAPPERS = {"paged": (BatchPrefillWithPagedKVCacheWrapper, paged_args),
+            "decode": (BatchDecodeWithPagedKVCacheWrapper, decode_args),
+            "ragged": (BatchPrefillWithRaggedKVCacheWrapper, ragged_args)}
+
+
+def column_view(values: list[int]) -> torch.Tensor:
+    """values as column 0 of a [n, 2] int32 table: a strided view (stride 2)."""
+    table = torch.stack([i32(values), i32([-7] * len(values))], dim=1)
+    view = table[:, 0]
+    assert view.stride() == (2,) or len(values) <= 1
+    return view

@@ -29,6 +29,7 @@ def test_family_defaults_from_the_arch():
     on_hopper = AttentionSpec(**PREFILL, arch="sm_90a")
     assert on_hopper.family == ("sm90" if sm90.unsupported(on_hopper) is None else "fa2")
     assert AttentionSpec(**DECODE, arch="sm_90a").family == families.default_family(AttentionSpec(**DECODE))
+    assert on_hopper.family == "sm90" and AttentionSpec(**DECODE, arch="sm_90a").family == "fa2"  # the values
     # ops without kernels of a family leave it unset
     assert AttentionSpec(op="merge_state", head_dim=128, dtype="bf16").family is None
 
@@ -60,7 +61,7 @@ def test_family_is_part_of_the_code_and_the_canonical_form():
 def test_replace_re_defaults_a_defaulted_family_and_keeps_an_explicit_one():
     spec = AttentionSpec(**PREFILL, arch="sm_80")
     moved = spec.replace(arch="sm_90a")
-    assert moved.family == families.default_family(moved)
+    assert moved.family == families.default_family(moved) == "sm90"
     explicit = AttentionSpec(**PREFILL, arch="sm_90a", family="fa2")
     assert explicit.replace(group_size=8).family == "fa2"
 

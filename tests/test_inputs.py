@@ -16,15 +16,10 @@ import torch
 import attnjit
 from attnjit.errors import NoGPUError
 from attnjit.ops import planner
-from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper,
-                                   BatchPrefillWithRaggedKVCacheWrapper)
+from attnjit.ops.attention import BatchDecodeWithPagedKVCacheWrapper, BatchPrefillWithPagedKVCacheWrapper
 from attnjit.ops.scheduler import MAX_WORK_ITEMS
 from tests.helpers import i32
-from tests.plan_support import decode_args, paged_args, ragged_args, workspace
-
-WRAPPERS = {"paged": (BatchPrefillWithPagedKVCacheWrapper, paged_args),
-            "decode": (BatchDecodeWithPagedKVCacheWrapper, decode_args),
-            "ragged": (BatchPrefillWithRaggedKVCacheWrapper, ragged_args)}
+from tests.plan_support import WRAPPERS, column_view, decode_args, paged_args, workspace
 
 
 def _rejects(kind: str, exc, pattern: str, **changes) -> None:
@@ -138,14 +133,6 @@ def test_numpy_scalars_and_engine_defaults_are_accepted():
 
 # --- strided, offset and non-contiguous metadata: read right ------------------------------------------------
 
-def _column(values: list[int]) -> torch.Tensor:
-    """values as column 0 of a [n, 2] int32 table: a strided view (stride 2)."""
-    table = torch.stack([i32(values), i32([-7] * len(values))], dim=1)
-    view = table[:, 0]
-    assert view.stride() == (2,) or len(values) <= 1
-    return view
-
-
 def _offset(values: list[int]) -> torch.Tensor:
     """values at storage offset 3 of a larger buffer (a view that is contiguous but not at the buffer's start)."""
     buf = i32([-9, -9, -9] + list(values) + [-9])
@@ -156,7 +143,7 @@ def _records(w) -> list:
     return [tuple(int(x) for x in r) for r in w._plan.work.records]
 
 
-@pytest.mark.parametrize("view", [_column, _offset])
+@pytest.mark.parametrize("view", [column_view, _offset])
 @pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
 def test_metadata_views_plan_like_contiguous_metadata(kind, view):
     make, args = WRAPPERS[kind]
@@ -172,7 +159,7 @@ def test_metadata_views_plan_like_contiguous_metadata(kind, view):
 
 
 def test_strided_page_ids_are_made_dense_for_the_kernels():
-    ids = _column([7, 2, 11, 3, 14, 6])
+    ids = column_view([7, 2, 11, 3, 14, 6])
     dense = planner.dense_page_ids(ids)
     assert dense.is_contiguous() and dense.tolist() == [7, 2, 11, 3, 14, 6]
     contiguous = i32([1, 2])
@@ -198,9 +185,9 @@ def test_custom_masks_as_views_plan_like_contiguous_ones():
 def test_graph_buffers_must_be_dense():
     ws = workspace()
     with pytest.raises(ValueError, match=r"paged_kv_indices_buffer must be contiguous: the kernel reads it"):
-        BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indices_buffer=_column(list(range(8))))
+        BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indices_buffer=column_view(list(range(8))))
     with pytest.raises(ValueError, match=r"qo_indptr_buf must be contiguous"):
-        BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True, qo_indptr_buf=_column([0, 1, 2]))
+        BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True, qo_indptr_buf=column_view([0, 1, 2]))
 
 
 def test_workspace_must_be_aligned_and_on_a_real_device():
@@ -364,10 +351,10 @@ def _append_args(**changes):
 
 
 @pytest.mark.parametrize("changes,exc,pattern", [
-    (dict(batch_indices=_column([0, 0, 1])), ValueError, r"^batch_indices must be contiguous: the kernel reads it"),
-    (dict(positions=_column([4, 5, 0])), ValueError, r"^positions must be contiguous"),
-    (dict(kv_indices=_column([3, 1, 4])), ValueError, r"^kv_indices must be contiguous"),
-    (dict(kv_indptr=_column([0, 2, 3])), ValueError, r"^kv_indptr must be contiguous"),
+    (dict(batch_indices=column_view([0, 0, 1])), ValueError, r"^batch_indices must be contiguous: the kernel reads it"),
+    (dict(positions=column_view([4, 5, 0])), ValueError, r"^positions must be contiguous"),
+    (dict(kv_indices=column_view([3, 1, 4])), ValueError, r"^kv_indices must be contiguous"),
+    (dict(kv_indptr=column_view([0, 2, 3])), ValueError, r"^kv_indptr must be contiguous"),
     (dict(append_key=torch.zeros(3 * 2 * 64 + 1, dtype=torch.float16)[1:].view(3, 2, 64)), ValueError,
      r"^append_key must start on a 16-byte boundary"),
     (dict(append_value=torch.zeros(3, 2, 65, dtype=torch.float16)[..., :64]), ValueError,
@@ -393,7 +380,7 @@ def test_append_rejects(changes, exc, pattern):
 
 
 @pytest.mark.parametrize("changes", [
-    {}, dict(positions=_offset([4, 5, 0])), dict(kv_last_page_len=_column([2, 1])),
+    {}, dict(positions=_offset([4, 5, 0])), dict(kv_last_page_len=column_view([2, 1])),
     dict(paged_kv_cache=torch.zeros(12, 2, 4, 2, 64, dtype=torch.float16)[::2]),
     dict(paged_kv_cache=(lambda c: (c[:, 0], c[:, 1]))(torch.zeros(6, 2, 4, 2, 64, dtype=torch.float16))),
     dict(append_key=torch.zeros(3, 2, 72, dtype=torch.float16)[..., :64]),

@@ -12,8 +12,7 @@ from attnjit.errors import NoGPUError
 from attnjit.ops import planner
 from attnjit.ops.attention import BatchDecodeWithPagedKVCacheWrapper
 from tests.helpers import i32
-from tests.test_inputs import WRAPPERS, _column
-from tests.plan_support import workspace
+from tests.plan_support import WRAPPERS, column_view, workspace
 
 
 # --- the device metadata layout (run here with a CPU "device": the same code a GPU plan runs) ---------------
@@ -28,7 +27,7 @@ def test_metadata_upload_layout_and_page_ids():
     dev = torch.device("cpu")
     meta = MetadataBuffers(dev, use_cuda_graph=False, max_work_items=None)
     keep: list = []
-    host_ids = _column([7, 2, 11, 3, 99])
+    host_ids = column_view([7, 2, 11, 3, 99])
     ptr = meta.upload(_work(3), num_groups=2, num_kv_heads=4, page_ids=host_ids, used=4, keep=keep)
     buf = keep[0]
     base = buf.data_ptr()

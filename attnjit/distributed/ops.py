@@ -38,15 +38,10 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     pos = positions.long()
     logical = pos // page_size
     owned = token_owner(pos, page_size=page_size, world=world) == rank
-    entry = kv_indptr.long()[batch_indices.long()] + logical
-    page = torch.where(owned, kv_indices.long()[entry], torch.full_like(entry, scratch_page))
-    slot = pos % page_size
-    if kv_layout == "NHD":
-        ck[page, slot] = append_key.to(ck.dtype)
-        cv[page, slot] = append_value.to(cv.dtype)
-    else:
-        ck[page, :, slot] = append_key.to(ck.dtype)
-        cv[page, :, slot] = append_value.to(cv.dtype)
+    entry = kv_indptr[batch_indices.long()].long() + logical  # gathers: the page table itself is never copied
+    page = torch.where(owned, kv_indices[entry].long(), torch.full_like(entry, scratch_page))
+    reference.write_slots(paged_kv_cache, page, pos % page_size, append_key.to(ck.dtype), append_value.to(cv.dtype),
+                          kv_layout)
 
 
 def context_parallel_ops(local_backend: str = "attnjit", *, group: dist.ProcessGroup | None = None,

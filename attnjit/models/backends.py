@@ -88,8 +88,4 @@ def _ref_append(append_key, append_value, batch_indices, positions, paged_kv_cac
     b = batch_indices.long()
     pos = positions.long()
     page = kv_indices.long()[kv_indptr.long()[b] + pos // page_size]
-    slot = pos % page_size
-    if kv_layout == "NHD":
-        ck[page, slot], cv[page, slot] = append_key, append_value
-    else:
-        ck[page, :, slot], cv[page, :, slot] = append_key, append_value
+    reference.write_slots(paged_kv_cache, page, pos % page_size, append_key, append_value, kv_layout)

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from .planner import dense_page_ids
+from .scheduler import RECORD_FIELDS
 
-RECORD = 12  # ints per work record
+RECORD = len(RECORD_FIELDS)  # ints per work record
 _HEAD = 4    # work_count, padded to 16 bytes
 
 

@@ -10,6 +10,7 @@ import torch
 
 from .. import variants as V
 from ..variants import TensorParam, Variant
+from .planner import _F32_MAX, INT32_MAX
 
 _TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
@@ -159,8 +160,6 @@ def with_sinks(plan: Any, variant_params: dict[str, Any], sinks: Any) -> dict[st
     return {**variant_params, "sinks": sinks}
 
 
-_INT32 = (-(1 << 31), (1 << 31) - 1)
-_F32_MAX = 3.4028234663852886e38
 
 
 def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: torch.device,
@@ -177,7 +176,7 @@ def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: t
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{where} must be an int, got {type(value).__name__}")
-        if not _INT32[0] <= value <= _INT32[1]:
+        if not -INT32_MAX - 1 <= value <= INT32_MAX:
             raise ValueError(f"{where}={value} does not fit the kernel's int32")
         return value
     assert isinstance(kind, TensorParam)

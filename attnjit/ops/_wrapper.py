@@ -16,15 +16,14 @@ from ..generator import attention_layout, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
-from ._common import (PagedCache, check_layout, check_metadata, check_tensor, unpack_paged_cache, unsupported,
-                      with_family)
+from .planner import _LOG2E
+from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, spec_for,
+                      unpack_paged_cache, unsupported, with_family)
 from ._running import Plan, check_q_out, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
 from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
-
-_LOG2E = 1.4426950408889634
 
 
 def _schedule(batch: P.Batch, sched: dict) -> WorkPlan:
@@ -77,10 +76,7 @@ class _AttentionWrapper(FlashInferAliases):
         self._kv_layout = check_layout(kv_layout)
         self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
         self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
-        self._plan: Plan | None = None
-        self._graph_grid: int | None = None  # fixed attention grid.x
-        self._graph_spec: AttentionSpec | None = None
-        self._graph_tile = None  # the family's tile of the first plan
+        self._plan: Plan | None = None  # graph mode: every plan has the first one's spec, tile and grid
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
         self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
@@ -121,6 +117,26 @@ class _AttentionWrapper(FlashInferAliases):
                     num_qo_heads=num_qo_heads, device=self._device, head_dim=head_dim, rope_scale=opts.rope_scale,
                     rope_theta=opts.rope_theta, sinks=P.as_flag("sinks", sinks, none=False))
 
+    def _plan_batch(self, op: str, batch: P.Batch, *, group: int, head_dim: int,
+                    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions, num_qo_heads: int,
+                    num_kv_heads: int, page_ids: torch.Tensor | None, sinks: Any, causal_names: tuple[str, str] = (),
+                    custom_mask=None, packed_custom_mask=None, **spec_fields: Any) -> None:
+        """Every plan()'s tail once its arguments and metadata are read: the variant binding, the causal check
+        (prefill: ``causal_names`` name the query and KV arguments), the spec, then _finish_plan."""
+        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
+                             sinks=sinks)
+        if op == "prefill":
+            causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal
+            if causal:                                                        # (FlashInfer)
+                P.check_causal(*causal_names, batch)
+            spec_fields["mask"] = "causal" if causal else "none"
+        q_dtype, kv_dtype, o_dtype = dtypes
+        spec = spec_for(op=op, head_dim=head_dim, dtype_q=SPEC_DTYPE[q_dtype], dtype_kv=SPEC_DTYPE[kv_dtype],
+                        dtype_o=SPEC_DTYPE[o_dtype], group_size=group, variant=binding.variant,
+                        arch=_arch_for(self._device), **spec_fields)
+        self._finish_plan(spec=spec, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                          dtypes=dtypes, opts=opts, page_ids=page_ids, binding=binding)
+
     def _finish_plan(self, *, spec: AttentionSpec, batch: P.Batch, num_qo_heads: int, num_kv_heads: int,
                      dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions,
                      page_ids: torch.Tensor | None, binding: Binding) -> None:
@@ -133,7 +149,8 @@ class _AttentionWrapper(FlashInferAliases):
             raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
         # the kernel family: the wrapper's backend, else the spec's default for this batch (graph mode: the first
         # plan's, which the captured graph replays)
-        forced = self._graph_spec.family if self._use_cuda_graph and self._graph_spec is not None else self._family
+        graph = self._graph_plan()
+        forced = graph.spec.family if graph is not None else self._family
         family = families.for_batch(spec, forced=forced, max_packed_rows=int(qo_lens.max(initial=0)) * group,
                                     backend=self._backend)
         if family != spec.family:
@@ -146,12 +163,11 @@ class _AttentionWrapper(FlashInferAliases):
             _, per_sm, sms = self._kernel_for(spec, t, on_gpu)
             return per_sm * sms
 
-        # the deep decode tile serves split-KV batches; graph mode keeps the tile of its first plan
-        tile = families.get(spec.family).choose_tile(
+        # the deep decode tile serves split-KV batches; a captured graph replays the kernel it captured: later
+        # plans keep the first plan's tile
+        tile = graph.work.tile if graph is not None else families.get(spec.family).choose_tile(
             spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
             allow_split=not disable_split_kv and not self._use_cuda_graph, capacity=capacity)
-        if self._use_cuda_graph and self._graph_tile is not None:
-            tile = self._graph_tile  # a captured graph replays the kernel it captured: later plans keep its tile
         kernel, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
         slot_bytes = num_qo_heads * (head_dim + 1) * 4
         max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
@@ -179,9 +195,13 @@ class _AttentionWrapper(FlashInferAliases):
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
         self._prepare_launch(plan, kernel, ptr, opts.sm_scale, max_slots, per_sm * sms)
-        if self._use_cuda_graph and self._graph_spec is None:
-            self._graph_spec, self._graph_tile, self._meta.batch = spec, tile, size
+        if self._use_cuda_graph and self._meta.batch is None:
+            self._meta.batch = size
         self._plan = plan
+
+    def _graph_plan(self) -> Plan | None:
+        """Graph mode: the last plan, whose spec and tile (the first plan's) every later plan keeps."""
+        return self._plan if self._use_cuda_graph else None
 
     def _with_tile(self, spec: AttentionSpec) -> AttentionSpec:
         """The spec with the wrapper's forced tile, else the tuning record's for this GPU (attnjit tune), else as is."""
@@ -203,9 +223,10 @@ class _AttentionWrapper(FlashInferAliases):
 
     def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch, page_ids: torch.Tensor | None) -> None:
         """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
-        if self._graph_spec is not None and spec != self._graph_spec:
+        graph = self._graph_plan()
+        if graph is not None and spec != graph.spec:
             raise ValueError(f"use_cuda_graph: plan() asks for {spec.short_name()} but this wrapper's graph "
-                             f"was planned for {self._graph_spec.short_name()}; use one wrapper per kernel spec")
+                             f"was planned for {graph.spec.short_name()}; use one wrapper per kernel spec")
         self._meta.check_batch(batch.batch_size)
         if self._graph_num_pages is not None and batch.max_page >= self._graph_num_pages:
             raise ValueError(f"use_cuda_graph: the page table uses page id {batch.max_page} but the cache of the "
@@ -224,10 +245,8 @@ class _AttentionWrapper(FlashInferAliases):
         d, hq = plan.head_dim, plan.num_qo_heads
         ws = self._workspace.data_ptr() if kernel is not None else 0
         persistent = getattr(families.get(plan.spec.family), "PERSISTENT", False)
-        if self._use_cuda_graph:
-            if self._graph_grid is None:
-                self._graph_grid = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
-            grid_x = self._graph_grid
+        if self._use_cuda_graph:  # the kernel is the first plan's, so are its slots: the grid is fixed
+            grid_x = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
         elif persistent:  # one resident CTA per slot walks the list (work_count items)
             grid_x = min(work.num_items * plan.num_kv_heads, slots)
         else:

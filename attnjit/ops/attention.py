@@ -19,10 +19,10 @@ import torch
 
 from ..variants import Variant
 from . import planner as P
-from ._common import SPEC_DTYPE, check_tensor, check_vectors, spec_for, unsupported
+from ._common import check_tensor, check_vectors, unsupported
 from ._running import check_q_out, launch, vector_ready
 from ._variants import with_sinks
-from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _arch_for, _schedule
+from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
@@ -78,18 +78,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                               non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         batch = self._read_paged(_PAGED_NAMES, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  page_size)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
-                             sinks=sinks)
-        causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
-        if causal:
-            P.check_causal("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len", batch)
-        q_dtype, kv_dtype, o_dtype = dtypes
-        spec = spec_for(op="prefill", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
-                        dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype],
-                        mask="causal" if causal else "none", layout=self._kv_layout, kv="paged",
-                        group_size=group, variant=binding.variant, arch=_arch_for(self._device))
-        self._finish_plan(spec=spec, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          dtypes=dtypes, opts=opts, page_ids=paged_kv_indices, binding=binding)
+        self._plan_batch("prefill", batch, group=group, head_dim=head_dim, dtypes=dtypes, opts=opts,
+                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_ids=paged_kv_indices, sinks=sinks,
+                         causal_names=("qo_indptr", "paged_kv_indptr/paged_kv_last_page_len"),
+                         custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, page_size=page_size,
+                         layout=self._kv_layout, kv="paged")
 
 
 class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
@@ -151,13 +144,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                               fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
                               non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
         batch = self._read_decode(indptr, indices, last_page_len, page_size)
-        binding = self._bind(batch, num_qo_heads, opts, head_dim=head_dim, sinks=sinks)
-        q_dtype, kv_dtype, o_dtype = dtypes
-        spec = spec_for(op="decode", head_dim=head_dim, page_size=page_size, dtype_q=SPEC_DTYPE[q_dtype],
-                        dtype_kv=SPEC_DTYPE[kv_dtype], dtype_o=SPEC_DTYPE[o_dtype], layout=self._kv_layout,
-                        group_size=group, variant=binding.variant, arch=_arch_for(self._device))
-        self._finish_plan(spec=spec, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          dtypes=dtypes, opts=opts, page_ids=indices, binding=binding)
+        self._plan_batch("decode", batch, group=group, head_dim=head_dim, dtypes=dtypes, opts=opts,
+                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_ids=indices, sinks=sinks,
+                         page_size=page_size, layout=self._kv_layout)
 
 
     def _read_decode(self, indptr, indices, last_page_len, page_size: int) -> P.Batch:
@@ -243,17 +232,10 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         qo = P.read_qo_indptr("qo_indptr", qo_h)
         P.check_meta("kv_indptr", kv_indptr, self._device, len(qo))
         batch = P.read_ragged("kv_indptr", qo, kv_h)
-        binding = self._bind(batch, num_qo_heads, opts, custom_mask, packed_custom_mask, head_dim=head_dim,
-                             sinks=sinks)
-        causal = opts.causal and "packed_custom_mask" not in binding.bound  # a custom mask replaces causal (FlashInfer)
-        if causal:
-            P.check_causal("qo_indptr", "kv_indptr", batch)
-        q_dtype, kv_dtype, o_dtype = dtypes
-        spec = spec_for(op="prefill", head_dim=head_dim, dtype_q=SPEC_DTYPE[q_dtype], dtype_kv=SPEC_DTYPE[kv_dtype],
-                        dtype_o=SPEC_DTYPE[o_dtype], mask="causal" if causal else "none", kv="ragged",
-                        group_size=group, variant=binding.variant, arch=_arch_for(self._device))
-        self._finish_plan(spec=spec, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                          dtypes=dtypes, opts=opts, page_ids=None, binding=binding)
+        self._plan_batch("prefill", batch, group=group, head_dim=head_dim, dtypes=dtypes, opts=opts,
+                         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_ids=None, sinks=sinks,
+                         causal_names=("qo_indptr", "kv_indptr"), custom_mask=custom_mask,
+                         packed_custom_mask=packed_custom_mask, kv="ragged")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,
             return_lse: bool = False, enable_pdl=None, sinks=None, **variant_params: Any):

@@ -10,16 +10,16 @@ import torch
 
 from .. import dispatch
 from ..generator import PARAMS
-from ..specs import AttentionSpec
-from ._common import SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors, require_cuda
+from ._common import (SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors, require_cuda,
+                      spec_for)
 
 _BLOCK = 128
 _launches: dict[tuple, dispatch.Launch] = {}
 
 
 def _launch(v: torch.Tensor, kernel: str, rows_heads: int, values: list) -> None:
-    spec = AttentionSpec(op="merge_state", head_dim=v.shape[-1], dtype=SPEC_DTYPE[v.dtype],
-                         arch=dispatch.device_arch(v.device))
+    spec = spec_for(op="merge_state", head_dim=v.shape[-1], dtype=SPEC_DTYPE[v.dtype],
+                    arch=dispatch.device_arch(v.device))
     mod = dispatch.module(spec, v.device)
     memo = (mod.key, mod.device_index, kernel)
     launch = _launches.get(memo)

@@ -10,9 +10,8 @@ from ..generator import PARAMS
 from ._common import (SPEC_DTYPE, check_head_dim, check_layout, check_metadata, check_page_size, check_tensor,
                       check_vectors, require_cuda, spec_for, unpack_paged_cache)
 from ..specs import MAX_PAGE_SIZE
-from .planner import check_indptr
+from .planner import INT32_MAX, check_indptr
 
-_INT32_MAX = (1 << 31) - 1
 
 _launches: dict[tuple, dispatch.Launch] = {}
 
@@ -28,7 +27,7 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
     dev = append_indptr.device
     check_metadata("append_indptr", append_indptr, dev)
     check_metadata("seq_lens", seq_lens, dev, append_indptr.numel() - 1)
-    if type(nnz) is not int or not 0 <= nnz <= _INT32_MAX:
+    if type(nnz) is not int or not 0 <= nnz <= INT32_MAX:
         raise ValueError(f"nnz must be a non-negative int32 (append_indptr[-1]), got {nnz!r}")
     batch = seq_lens.numel()
     counts = append_indptr[1:] - append_indptr[:-1]

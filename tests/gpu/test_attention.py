@@ -11,7 +11,7 @@ import torch
 import attnjit
 from attnjit import reference
 
-from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
+from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, page_tables, poisoned
 from .cases import BACKEND, MATRIX, TILE_MATRIX, Case
 
 DEV = "cuda"
@@ -197,22 +197,6 @@ def _graph_pool(page_size, pages, dtype):
     return torch.randn(pages, 2, page_size, 8, 128, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEV)
 
 
-def _tables(kv_lens, page_size, pool_pages, seed):
-    import random
-
-    rng = random.Random(seed)
-    ids = list(range(pool_pages))
-    rng.shuffle(ids)
-    indptr, indices, last = [0], [], []
-    for k in kv_lens:
-        n = -(-k // page_size)
-        indices += ids[:n]
-        ids = ids[n:]
-        indptr.append(len(indices))
-        last.append(k - page_size * (n - 1))
-    return indptr, indices, last
-
-
 def test_cuda_graph_decode_replays_after_replan(workspace):
     """Capture run() once; re-plan with other lengths and page tables of the same batch size; replay is right."""
     ps, pool, dtype = 16, 3000, torch.bfloat16
@@ -226,7 +210,7 @@ def test_cuda_graph_decode_replays_after_replan(workspace):
     graph = None
     decisions = []
     for step, kv_lens in enumerate([(5, 17, 64, 100, 1, 33), (9000, 20, 1, 700, 4100, 16), (300, 301, 302, 1, 2, 3)]):
-        indptr, indices, last = _tables(kv_lens, ps, pool, seed=step)
+        indptr, indices, last = page_tables(kv_lens, ps, pool, seed=step)
         w.plan(i32(indptr, DEV), i32(indices, DEV), i32(last, DEV), 32, 8, 128, ps, q_data_type=dtype)
         decisions.append(w.last_plan["split_kv"])
         q = torch.randn(batch, 32, 128, generator=torch.Generator().manual_seed(100 + step)).to(dtype).to(DEV)
@@ -250,7 +234,7 @@ def test_cuda_graph_prefill_replays_after_replan(workspace, family):
     out_buf = torch.zeros(total, 32, 128, dtype=dtype, device=DEV)
     graph = None
     for step, (qo, kv) in enumerate([((30, 1, 9), (30, 50, 900)), ((1, 38, 1), (2000, 38, 5))]):
-        indptr, indices, last = _tables(kv, ps, pool, seed=step)
+        indptr, indices, last = page_tables(kv, ps, pool, seed=step)
         qo_indptr = [0, qo[0], qo[0] + qo[1], total]
         w.plan(i32(qo_indptr, DEV), i32(indptr, DEV), i32(indices, DEV), i32(last, DEV), 32, 8, 128, ps,
                causal=True, q_data_type=dtype)

@@ -14,7 +14,7 @@ import torch
 import attnjit
 from attnjit import reference
 
-from ..helpers import assert_close, i32, make_paged, make_ragged
+from ..helpers import assert_close, i32, make_paged, make_ragged, page_tables
 
 DEV = "cuda"
 H_Q, H_KV, D, PS = 32, 8, 128, 16
@@ -90,22 +90,6 @@ def test_device_metadata_plans_the_same_work_as_host_metadata():
     assert plans[0] == plans[1]
 
 
-def _tables(kv_lens, pool_pages, seed):
-    import random
-
-    rng = random.Random(seed)
-    ids = list(range(pool_pages))
-    rng.shuffle(ids)
-    indptr, indices, last = [0], [], []
-    for k in kv_lens:
-        n = -(-k // PS)
-        indices += ids[:n]
-        ids = ids[n:]
-        indptr.append(len(indices))
-        last.append(k - PS * (n - 1))
-    return indptr, indices, last
-
-
 def test_cuda_graph_decode_replays_after_fast_plan():
     """Capture run() once after plan(); each later step only calls fast_plan() with host metadata (other lengths and
     page tables, a split and an unsplit step among them) and replays: every replay matches the reference."""
@@ -121,7 +105,7 @@ def test_cuda_graph_decode_replays_after_fast_plan():
     steps = [(5, 17, 64, 100, 1, 33), (9000, 20, 1, 700, 4100, 16), (300, 301, 302, 1, 2, 3), (1, 1, 1, 1, 1, 1)]
     graph, splits = None, []
     for step, kv_lens in enumerate(steps):
-        indptr, indices, last = _tables(kv_lens, pool, seed=step)
+        indptr, indices, last = page_tables(kv_lens, PS, pool, seed=step)
         host = (i32(indptr), i32(indices), i32(last))
         if graph is None:
             w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT)

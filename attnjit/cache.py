@@ -470,7 +470,8 @@ class Cache:
             except OSError as exc:
                 raise BuildSetupError(bdir, exc.strerror or str(exc)) from None
             by_target = {j.key: j for j in jobs}
-            targets = [Target(j.key, j.source, j.nvcc.path, j.flags, j.label) for j in jobs]  # build() gave each an nvcc
+            # build() gave each job an nvcc
+            targets = [Target(j.key, j.source, j.nvcc.path, j.flags, j.label) for j in jobs]
 
             def finished(out: Outcome) -> None:
                 job = by_target[out.key]

@@ -55,7 +55,8 @@ class _AttentionWrapper(FlashInferAliases):
         if isinstance(variant, str):
             variant = resolve_variant(variant)
         if variant is not None and not isinstance(variant, Variant):
-            raise TypeError(f"variant must be an attnjit.Variant (or its 'module:attribute'), got {type(variant).__name__}")
+            raise TypeError("variant must be an attnjit.Variant (or its 'module:attribute'), got "
+                            f"{type(variant).__name__}")
         self._variant = variant
         if float_workspace_buffer.dim() != 1 or not float_workspace_buffer.is_contiguous():
             raise ValueError("float_workspace_buffer must be a contiguous 1-D tensor (e.g. torch.empty(128 << 20, "
@@ -373,7 +374,8 @@ class _PagedMixin:
             kvp, last = P.to_host(indptr, last_page_len)
             qo = np.arange(indptr.numel(), dtype=np.int64)
         else:  # qo_indptr is read (and checked) first: it says how long the others must be
-            for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices), (n_last, last_page_len)):
+            for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices),
+                            (n_last, last_page_len)):
                 P.check_meta(name, t, dev)
             qo_h, kvp, last = P.to_host(qo_indptr, indptr, last_page_len)
             qo = P.read_qo_indptr("qo_indptr", qo_h)

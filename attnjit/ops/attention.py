@@ -1,11 +1,12 @@
 """FlashInfer-compatible attention wrappers: plan() on the host, run() on the GPU.
 
 plan() validates every argument before any device work (``planner``: so the same errors appear on a machine with no
-GPU), decides the kernel family, its tile and the split-KV schedule (``scheduler``), uploads the work list (``_upload``), and loads the
-kernel module (the common tail lives in ``_wrapper``, which these wrappers inherit); ``_running`` holds the plan it leaves and run()'s checks against it. run() checks its tensors against the plan and launches; it compiles, loads, allocates (when given
-``out``) and synchronizes nothing, so it can be captured in a CUDA graph. With ``use_cuda_graph=True`` the wrapper
-keeps every buffer a kernel reads at a fixed address: a captured run() replays correctly after a new plan() with
-other lengths and page tables of the same batch size.
+GPU), decides the kernel family, its tile and the split-KV schedule (``scheduler``), uploads the work list
+(``_upload``), and loads the kernel module (the common tail lives in ``_wrapper``, which these wrappers inherit);
+``_running`` holds the plan it leaves and run()'s checks against it. run() checks its tensors against the plan and
+launches; it compiles, loads, allocates (when given ``out``) and synchronizes nothing, so it can be captured in a
+CUDA graph. With ``use_cuda_graph=True`` the wrapper keeps every buffer a kernel reads at a fixed address: a
+captured run() replays correctly after a new plan() with other lengths and page tables of the same batch size.
 
 Tensors a kernel reads or writes through a pointer are checked for what the kernels assume: q, out, k and v move
 16 bytes at a time (16-byte aligned data pointers and strides), lse is dense, out's elements are distinct. Metadata
@@ -40,7 +41,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                          variant=variant, backend=backend, tile=tile)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
-                            paged_kv_last_page_len_buf=paged_kv_last_page_len_buf, paged_kv_indices_buf=paged_kv_indices_buf)
+                            paged_kv_last_page_len_buf=paged_kv_last_page_len_buf,
+                            paged_kv_indices_buf=paged_kv_indices_buf)
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
@@ -54,8 +56,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
 
         qo_indptr: [B+1] int32, request i's query rows are qo_indptr[i]:qo_indptr[i+1] of q. paged_kv_indptr: [B+1]
         int32 offsets into paged_kv_indices. paged_kv_indices: [*] int32 page ids in logical order.
-        paged_kv_last_page_len: [B] int32 in 1..page_size (0 for a request with no pages). KV length of request i = page_size * (pages - 1) + last,
-        including the new tokens. causal is bottom-right aligned (query row t of Q sees key j iff j <= K - Q + t).
+        paged_kv_last_page_len: [B] int32 in 1..page_size (0 for a request with no pages). KV length of request
+        i = page_size * (pages - 1) + last, including the new tokens. causal is bottom-right aligned (query row t of Q
+        sees key j iff j <= K - Q + t).
         logits_soft_cap, window_left, pos_encoding_mode="ALIBI" or "ROPE_LLAMA" (rope_scale, rope_theta),
         custom_mask / packed_custom_mask are built-in variants (FlashInfer's semantics); sm_scale defaults to
         1/sqrt(head_dim). sinks=True adds an attention sink whose values run() takes (``sinks=``; ops/sinks.py).
@@ -121,8 +124,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         """Plan a decode batch (one query row per request) over a paged KV cache.
 
         indptr: [B+1] int32 offsets into indices. indices: [*] int32 page ids in logical order. last_page_len: [B]
-        int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long
-        histories are split across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
+        int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The
+        GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long histories are split
+        across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
         and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it

@@ -17,14 +17,14 @@ from typing import Any
 
 import jinja2
 
-from . import families
+from . import dtypes, families
 from .specs import AttentionSpec
 from .variants import TensorParam, Variant
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INCLUDE_DIR = TEMPLATE_DIR / "include"
 
-_CTYPE = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+_CTYPE = {name: t.ctype for name, t in dtypes.TYPES.items()}
 _TEMPLATE = {"merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.jinja"}  # attention: the family's
 
 
@@ -88,7 +88,10 @@ PARAMS: dict[str, ParamLayout] = {
         kv_stride_1: i64: paged: slot stride (NHD) or head stride (HND); ragged: head stride
         num_qo_heads: i64: H_q
         num_kv_heads: i64: H_kv
-        sm_scale_log2: f64: sm_scale * log2(e)
+        sm_scale_log2: f64: sm_scale * log2(e) (* the scalar k_scale)
+        scale_k: ptr: [H_kv] f32 per-KV-head key scale, or 0 (fp8 KV; folded into the logit scale)
+        scale_v: ptr: [H_kv] f32 per-KV-head value scale, or 0 (fp8 KV; applied to the output)
+        scale_v_value: f64: scalar value scale (fp8 KV; 1 for none)
     """)),
     "merge_two": ParamLayout(_p("""
         v_a: ptr: [rows, H, D]
@@ -266,7 +269,8 @@ def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
     kernels: dict[str, KernelInfo] = {}
     if spec.op in families.OPS:
         family = families.get(spec.family)
-        ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_qk,
+        ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], ctype_kv=_CTYPE[spec.dtype_kv],
+                   head_dim=spec.head_dim_qk,
                    group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
                    paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
                    hnd=cpp_bool(spec.layout == "HND"), family=spec.family,

@@ -67,9 +67,23 @@ class Hooks:
     use_softmax: bool = True
 
 
+def dequantize(t: torch.Tensor, scale: float | torch.Tensor | None) -> torch.Tensor:
+    """A (quantized, e.g. fp8) cache's real values in float64: t * scale. t: [K, H_kv, D] (or any [..., H_kv, D]);
+    scale: None (1), a float, or [H_kv] (one per KV head)."""
+    t64 = t.double()
+    if scale is None:
+        return t64
+    if isinstance(scale, torch.Tensor):
+        return t64 * scale.double().to(t64.device).reshape(-1, 1)
+    return t64 * float(scale)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, sm_scale: float | None = None,
-              hooks: Hooks | None = None, batch_idx: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request. q: [Q, H_q, D], k/v: [K, H_kv, D] -> o [Q, H_q, D] (float64), lse [Q, H_q] (base 2)."""
+              hooks: Hooks | None = None, batch_idx: int = 0, k_scale: float | torch.Tensor | None = None,
+              v_scale: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request. q: [Q, H_q, D], k/v: [K, H_kv, D] -> o [Q, H_q, D] (float64), lse [Q, H_q] (base 2).
+    k_scale / v_scale: the cache holds k / k_scale and v / v_scale (fp8); attention runs on the dequantized
+    values (``dequantize``), so hooks see them as if the cache held them."""
     qo_len, h_q, dim = q.shape
     kv_len, h_kv = k.shape[0], k.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(dim)
@@ -81,11 +95,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     q64 = q.double()
     if hooks.query is not None:
         q64 = hooks.query(q64, pos).double()
-    k64 = k.double()
+    k64 = dequantize(k, k_scale)
     if hooks.key is not None:
         k64 = hooks.key(k64, pos).double()
     k64 = k64.repeat_interleave(group, dim=1)  # reference only: the kernels never copy KV heads
-    v64 = v.double().repeat_interleave(group, dim=1)
+    v64 = dequantize(v, v_scale).repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q64, k64) * scale  # [H_q, Q, K]
     if hooks.logits is not None:
         scores = hooks.logits(scores, pos).double()
@@ -138,8 +152,10 @@ def write_slots(paged_kv_cache, page: torch.Tensor, slot: torch.Tensor, k: torch
 
 def batch_paged(q: torch.Tensor, paged_kv_cache, qo_indptr: list[int], kv_indptr: list[int], kv_indices: list[int],
                 last_page_len: list[int], *, page_size: int, causal: bool, layout: str = "NHD",
-                sm_scale: float | None = None, hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch attention over a paged cache. q: [nnz, H_q, D] -> (o [nnz, H_q, D], lse [nnz, H_q]) in float64."""
+                sm_scale: float | None = None, hooks: Hooks | None = None, k_scale=None,
+                v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch attention over a paged cache. q: [nnz, H_q, D] -> (o [nnz, H_q, D], lse [nnz, H_q]) in float64.
+    k_scale / v_scale (float or [H_kv]) dequantize the cache (``attention``)."""
     ck, cv = split_cache(paged_kv_cache)
     o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
@@ -151,14 +167,15 @@ def batch_paged(q: torch.Tensor, paged_kv_cache, qo_indptr: list[int], kv_indptr
         ids = kv_indices[kv_indptr[i]:kv_indptr[i + 1]]
         k = gather_pages(ck, ids, lengths[i], layout)
         v = gather_pages(cv, ids, lengths[i], layout)
-        o[a:b], lse[a:b] = attention(q[a:b], k, v, causal=causal, sm_scale=sm_scale, hooks=hooks, batch_idx=i)
+        o[a:b], lse[a:b] = attention(q[a:b], k, v, causal=causal, sm_scale=sm_scale, hooks=hooks, batch_idx=i,
+                                     k_scale=k_scale, v_scale=v_scale)
     return o, lse
 
 
 def batch_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: list[int], kv_indptr: list[int], *,
-                 causal: bool, sm_scale: float | None = None,
-                 hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch attention over ragged K/V [nnz_kv, H_kv, D]."""
+                 causal: bool, sm_scale: float | None = None, hooks: Hooks | None = None, k_scale=None,
+                 v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch attention over ragged K/V [nnz_kv, H_kv, D] (k_scale / v_scale as for ``attention``)."""
     o = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float64, device=q.device)
     for i in range(len(qo_indptr) - 1):
@@ -167,17 +184,18 @@ def batch_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: l
             continue
         ka, kb = kv_indptr[i], kv_indptr[i + 1]
         o[a:b], lse[a:b] = attention(q[a:b], k[ka:kb], v[ka:kb], causal=causal, sm_scale=sm_scale, hooks=hooks,
-                                     batch_idx=i)
+                                     batch_idx=i, k_scale=k_scale, v_scale=v_scale)
     return o, lse
 
 
 def batch_decode(q: torch.Tensor, paged_kv_cache, kv_indptr: list[int], kv_indices: list[int],
                  last_page_len: list[int], *, page_size: int, layout: str = "NHD",
-                 sm_scale: float | None = None, hooks: Hooks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float | None = None, hooks: Hooks | None = None, k_scale=None,
+                 v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One query row per request. q: [B, H_q, D]."""
     qo_indptr = list(range(q.shape[0] + 1))
     return batch_paged(q, paged_kv_cache, qo_indptr, kv_indptr, kv_indices, last_page_len, page_size=page_size,
-                       causal=False, layout=layout, sm_scale=sm_scale, hooks=hooks)
+                       causal=False, layout=layout, sm_scale=sm_scale, hooks=hooks, k_scale=k_scale, v_scale=v_scale)
 
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,

@@ -15,12 +15,14 @@ from dataclasses import InitVar, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterable
 
+from . import dtypes as _dt
 from .errors import CatalogError
 from .variants import Variant, resolve as resolve_variant
 
 OPS = ("prefill", "decode", "merge_state", "append_kv")
 HEAD_DIMS = (64, 128, 256)
-DTYPES = ("fp16", "bf16")
+DTYPES = _dt.COMPUTE           # q and o (attnjit/dtypes.py: the element-type table)
+KV_DTYPES = _dt.COMPUTE + _dt.FP8  # the KV cache: q's type, or fp8 (e4m3/e5m2) with fp16/bf16 q
 MASKS = ("none", "causal")
 LAYOUTS = ("NHD", "HND")
 KV_KINDS = ("paged", "ragged")
@@ -29,10 +31,6 @@ MAX_GROUP_SIZE = 64
 DEFAULT_ARCH = "sm_90a"
 MAX_CATALOG_SPECS = 100_000   # a catalog that expands to more is refused (with its count) unless asked for
 
-_DTYPE_ALIASES = {
-    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
-}
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 
 
@@ -64,14 +62,16 @@ class SpecError(ValueError):
 
 def _dtype_key(value: Any) -> Any:
     """The canonical name of a dtype alias, or the value itself (so validation reports it) when unknown."""
-    return _DTYPE_ALIASES.get(str(value).strip().lower(), value)
+    t = _dt.lookup(value)
+    return t.name if t is not None else value
 
 
 def canonical_dtype(value: Any, field: str) -> str:
-    key = str(value).strip().lower() if value is not None else None
-    if key not in _DTYPE_ALIASES:
-        raise SpecError(field, value, f"expected one of {', '.join(DTYPES)}")
-    return _DTYPE_ALIASES[key]
+    allowed = KV_DTYPES if field == "dtype_kv" else DTYPES
+    t = _dt.lookup(value)
+    if t is None or t.name not in allowed:
+        raise SpecError(field, value, f"expected one of {', '.join(allowed)}")
+    return t.name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,9 +167,9 @@ class AttentionSpec:
                 if value is None:
                     raise SpecError(name, None, f"op={self.op!r} needs it (or dtype); allowed {', '.join(DTYPES)}")
                 set_(name, canonical_dtype(value, name))
-        if {"dtype_q", "dtype_kv"} <= used and self.dtype_q != self.dtype_kv:
+        if {"dtype_q", "dtype_kv"} <= used and self.dtype_q != self.dtype_kv and not _dt.is_fp8(self.dtype_kv):
             raise SpecError("dtype_kv", self.dtype_kv,
-                            f"must equal dtype_q={self.dtype_q!r} (mixed q/kv types are not supported yet)")
+                            f"must equal dtype_q={self.dtype_q!r} or be an fp8 type ({', '.join(_dt.FP8)})")
         if "mask" in used and self.mask not in MASKS:
             raise SpecError("mask", self.mask, f"expected one of {', '.join(MASKS)}")
         if "kv" in used and self.kv not in KV_KINDS:
@@ -269,6 +269,8 @@ class AttentionSpec:
         if self.group_size:
             parts.append(f"g{self.group_size}")
         parts.append(d.get("dtype_q") or d.get("dtype_kv") or d.get("dtype_o"))
+        if self.dtype_q and self.dtype_kv and self.dtype_kv != self.dtype_q:
+            parts.append(f"kv{self.dtype_kv}")
         if self.dtype_o and self.dtype_q and self.dtype_o != self.dtype_q:
             parts.append(f"o{self.dtype_o}")
         if self.layout:

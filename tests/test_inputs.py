@@ -128,7 +128,7 @@ def test_numpy_scalars_and_engine_defaults_are_accepted():
                          page_size=np.int64(4), sm_scale=np.float32(0.125), disable_split_kv=None,
                          logits_soft_cap=0.0, window_left=np.int64(-1)))
     assert w._plan.spec.variant is None and w._plan.num_qo_heads == 32
-    assert w._plan.attn_values[-1] == pytest.approx(0.125 * 1.4426950408889634)
+    assert w._plan.attn_values[w._plan.layout.index["sm_scale_log2"]] == pytest.approx(0.125 * 1.4426950408889634)
 
 
 # --- strided, offset and non-contiguous metadata: read right ------------------------------------------------

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from .. import dtypes
+
 if TYPE_CHECKING:
     from ..specs import AttentionSpec
 
@@ -51,6 +53,7 @@ class Tile:
     stages: int
     min_blocks: int
     tag: str = ""   # tells apart two tiles of one shape in one module (e.g. "deep": a longer pipeline)
+    kv_bytes: int = 2  # bytes per KV element as stored (1: fp8, converted into one 16-bit K and V tile)
 
     @property
     def cta_q(self) -> int:
@@ -67,7 +70,7 @@ class Tile:
     @property
     def smem(self) -> int:
         d = self.head_dim
-        pipe = 2 * self.stages * self.cta_kv * d * 2
+        pipe = 2 * self.stages * self.cta_kv * d * self.kv_bytes + (2 * self.cta_kv * d * 2 if self.kv_bytes == 1 else 0)
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
         pages_per_tile = pages_per_tile_of(self.cta_kv, self.page_size) if self.page_size else 0
         page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
@@ -117,11 +120,12 @@ def wide_tile(head_dim: int, page_size: int) -> Tile:
 def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     """Kernel instances a spec's module holds, narrowest first (memoized: plan() asks every step)."""
     page_size = spec.page_size or 0
-    narrow = narrow_tile(spec.head_dim_qk, page_size, spec.group_size)
+    kv_bytes = dtypes.of(spec.dtype_kv).bytes
+    narrow = replace(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes=kv_bytes)
     if spec.op == "decode":
         deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size)
-        return (narrow, deep) if deep else (narrow,)
-    wide = wide_tile(spec.head_dim_qk, page_size)
+        return (narrow, replace(deep, kv_bytes=kv_bytes)) if deep else (narrow,)
+    wide = replace(wide_tile(spec.head_dim_qk, page_size), kv_bytes=kv_bytes)
     return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
 
 

@@ -28,6 +28,8 @@ def unsupported(spec: "AttentionSpec") -> str | None:
         return f"the sm90 family needs arch sm_90a (wgmma, setmaxnreg), not {spec.arch}"
     if spec.op != "prefill":
         return "the sm90 family is for prefill; decode runs on fa2 (memory-bound, narrow tiles)"
+    if spec.dtype_kv != spec.dtype_q:
+        return f"the sm90 family reads a {spec.dtype_q} KV cache only; an fp8 cache ({spec.dtype_kv}) runs on fa2"
     return None
 
 

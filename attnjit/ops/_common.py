@@ -7,24 +7,26 @@ from typing import Any
 
 import torch
 
+from .. import dtypes
 from ..errors import NoGPUError
 from ..specs import HEAD_DIMS, MAX_PAGE_SIZE, AttentionSpec
 
-_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-SPEC_DTYPE = {torch.float16: "fp16", torch.bfloat16: "bf16"}
+SPEC_DTYPE = {t.torch: t.name for t in dtypes.TYPES.values()}   # torch dtype -> spec name (attnjit/dtypes.py)
+COMPUTE_DTYPES = tuple(dtypes.of(n).torch for n in dtypes.COMPUTE)  # q and o
+KV_DTYPES = tuple(dtypes.of(n).torch for n in dtypes.COMPUTE + dtypes.FP8)  # a KV cache
 
 
-def as_dtype(value: Any, name: str) -> torch.dtype:
-    """torch.float16/bfloat16 or their names -> torch dtype; anything else is a TypeError naming the argument."""
-    if isinstance(value, torch.dtype):
-        if value in SPEC_DTYPE:
-            return value
-    elif isinstance(value, str):
-        key = value.strip().lower().removeprefix("torch.")
-        if key in _DTYPES:
-            return _DTYPES[key]
-    raise TypeError(f"{name}={value!r} is not supported: expected torch.float16 or torch.bfloat16")
+def _names(allowed: tuple[torch.dtype, ...]) -> str:
+    return " or ".join(str(d) for d in allowed)
+
+
+def as_dtype(value: Any, name: str, allowed: tuple[torch.dtype, ...] = COMPUTE_DTYPES) -> torch.dtype:
+    """A torch dtype or a name of one (``float16``, ``bf16``, ``e4m3``, ``float8_e4m3fn``...) -> the torch dtype, if
+    in ``allowed``; anything else is a TypeError naming the argument."""
+    t = dtypes.lookup(value)
+    if t is not None and t.torch in allowed:
+        return t.torch
+    raise TypeError(f"{name}={value!r} is not supported: expected {_names(allowed)} (or their names)")
 
 
 def check_tensor(name: str, t: Any, *, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
@@ -149,7 +151,7 @@ class PagedCache:
 
 
 def unpack_paged_cache(name: str, cache: Any, layout: str, *, written: bool = False) -> PagedCache:
-    """Accept one [P, 2, ...] tensor or a (k, v) tuple, NHD or HND, and check what the kernels assume: fp16/bf16,
+    """Accept one [P, 2, ...] tensor or a (k, v) tuple, NHD or HND, and check what the kernels assume: fp16/bf16/fp8,
     the last dim contiguous and the next one D apart, 16-byte aligned pages. ``written`` (append): no two elements
     of the pages may share memory, so a write lands in the page it names and nowhere else."""
     if isinstance(cache, torch.Tensor):
@@ -166,8 +168,8 @@ def unpack_paged_cache(name: str, cache: Any, layout: str, *, written: bool = Fa
                              f"{k.stride()} {k.dtype} {k.device} and v {tuple(v.shape)} {v.stride()} {v.dtype} {v.device}")
     else:
         raise TypeError(f"{name} must be a 5-D tensor or a (k, v) tuple of 4-D tensors, got {type(cache).__name__}")
-    if k.dtype not in SPEC_DTYPE:
-        raise TypeError(f"{name} must be torch.float16 or torch.bfloat16, got {k.dtype}")
+    if k.dtype not in KV_DTYPES:
+        raise TypeError(f"{name} must be {_names(KV_DTYPES)}, got {k.dtype}")
     if layout == "NHD":
         num_pages, page_size, heads, dim = k.shape
     else:

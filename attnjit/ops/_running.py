@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import math
+
 import torch
 
 from ..generator import PARAMS
@@ -45,15 +47,17 @@ class Plan:
     sched: dict = field(default_factory=dict)  # plan_work's arguments that do not depend on the lengths
     settings: dict = field(default_factory=dict)  # what plan() fixed, by FlashInfer's names (compat.plan_settings)
     extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
+    sm_scale_log2: float = 0.0      # sm_scale * log2(e): the parameter struct's, before a run()'s scalar k_scale
 
     def decision(self) -> dict:
         return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
 
 
 def vector_ready(t: torch.Tensor) -> bool:
-    """[N, H, D] with a 16-byte aligned start and token/head strides (2-byte elements), last dim contiguous."""
-    return (t.data_ptr() % 16 == 0 and t.stride(2) == 1 and (t.shape[0] <= 1 or t.stride(0) % 8 == 0)
-            and (t.shape[1] <= 1 or t.stride(1) % 8 == 0))
+    """[N, H, D] with a 16-byte aligned start and token/head strides, last dim contiguous."""
+    n = 16 // t.element_size()
+    return (t.data_ptr() % 16 == 0 and t.stride(2) == 1 and (t.shape[0] <= 1 or t.stride(0) % n == 0)
+            and (t.shape[1] <= 1 or t.stride(1) % n == 0))
 
 
 def check_q_out(plan: Plan, device: torch.device, q: torch.Tensor, out, lse, return_lse: bool):
@@ -113,6 +117,50 @@ def variant_args(plan: Plan, device: torch.device, kwargs: dict[str, Any], retur
         plan.attn_values[index] = value
 
 
+def _scale(name: str, value: Any, plan: Plan, device: torch.device) -> float | torch.Tensor | None:
+    """run()'s k_scale / v_scale: None, a positive finite float (int) or a float32 [H_kv] tensor on the device."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        h = plan.num_kv_heads
+        if value.dtype != torch.float32:
+            raise TypeError(f"{name} must be a float or a float32 tensor of shape [{h}] (one scale per KV head), got a "
+                            f"{value.dtype} tensor")
+        if value.dim() != 1 or value.shape[0] != h or value.device != device or (h > 1 and value.stride(0) != 1):
+            raise ValueError(f"{name} must be a contiguous float32 tensor of shape [{h}] (one scale per KV head) on "
+                             f"{device}; got shape {list(value.shape)} strides {value.stride()} on {value.device}")
+        if plan.kv_dtype.itemsize != 1:
+            raise ValueError(f"{name}: per-KV-head scale tensors need an fp8 KV plan (kv_data_type e4m3 or e5m2); "
+                             f"this plan's cache is {plan.kv_dtype}. Pass a float (applied as FlashInfer does)")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float or a float32 [H_kv] tensor, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise ValueError(f"{name} must be a positive finite number (the cache holds value / {name}), got {value}")
+    return value
+
+
+def kv_scales(plan: Plan, device: torch.device, k_scale: Any, v_scale: Any) -> float | None:
+    """Put run()'s dequantization scales in the parameter struct (FlashInfer's semantics: the keys are k_scale * k and
+    the values v_scale * v): a float k_scale multiplies the logit scale; per-KV-head tensors and an fp8 plan's float
+    v_scale are read by the kernel (the output times v_scale, lse unaffected). Returns what run() multiplies the
+    output by after the kernel: a 16-bit plan's float v_scale (as FlashInfer does), else None."""
+    vals = plan.attn_values
+    if k_scale is None and v_scale is None:
+        vals[_SM], vals[_KS], vals[_VS], vals[_VSV] = plan.sm_scale_log2, 0, 0, 1.0
+        return None
+    ks, vs = _scale("k_scale", k_scale, plan, device), _scale("v_scale", v_scale, plan, device)
+    vals[_SM] = plan.sm_scale_log2 * ks if isinstance(ks, float) else plan.sm_scale_log2
+    vals[_KS] = ks.data_ptr() if isinstance(ks, torch.Tensor) else 0
+    vals[_VS] = vs.data_ptr() if isinstance(vs, torch.Tensor) else 0
+    if plan.kv_dtype.itemsize == 1:
+        vals[_VSV] = vs if isinstance(vs, float) else 1.0
+        return None
+    vals[_VSV] = 1.0
+    return vs if isinstance(vs, float) and vs != 1.0 else None
+
+
 def launch(plan: Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out, os_,
            lse) -> None:
     """Fill run()'s fields of the parameter struct (pointers and strides) and launch."""
@@ -130,3 +178,4 @@ _A = PARAMS["attention"].index
 assert (_A["q"], _A["k"], _A["v"], _A["o"], _A["lse"]) == (0, 1, 2, 3, 4)
 _QSN, _QSH, _OSN, _OSH = _A["q_stride_n"], _A["q_stride_h"], _A["o_stride_n"], _A["o_stride_h"]
 _KV0, _KV1 = _A["kv_stride_0"], _A["kv_stride_1"]
+_SM, _KS, _VS, _VSV = _A["sm_scale_log2"], _A["scale_k"], _A["scale_v"], _A["scale_v_value"]

@@ -19,7 +19,7 @@ from . import _handles, planner as P
 from .planner import _LOG2E
 from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, spec_for,
                       unpack_paged_cache, unsupported, with_family)
-from ._running import Plan, check_q_out, launch, variant_args
+from ._running import Plan, check_q_out, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
@@ -269,7 +269,8 @@ class _AttentionWrapper(FlashInferAliases):
             work_count=ptr["work_count"] if self._use_cuda_graph or persistent else 0,  # 0: the grid is the list
             merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
             kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
-            sm_scale_log2=sm_scale * _LOG2E, **fixed)
+            sm_scale_log2=sm_scale * _LOG2E, scale_k=0, scale_v=0, scale_v_value=1.0, **fixed)
+        plan.sm_scale_log2 = sm_scale * _LOG2E
         if kernel is not None:
             assert len(plan.attn_values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
 
@@ -316,16 +317,24 @@ class _PagedMixin:
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
             lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, **variant_params: Any):
         """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
-        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout. The
-        wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``)."""
+        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout, of the plan's
+        kv_data_type. The wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``).
+
+        k_scale / v_scale: the cache's dequantization scales (keys are k_scale * k, values v_scale * v), each a
+        positive float (graph friendly: no device read) or, for an fp8 plan, a float32 [H_kv] tensor of per-KV-head
+        scales on the device. As in FlashInfer they apply to any plan: k_scale multiplies the logits (lse included),
+        v_scale the output (not lse); on a 16-bit plan a float v_scale is an in-place multiply of the output after
+        the kernel, as FlashInfer does it."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if q_scale is not None or k_scale is not None or v_scale is not None:
-            unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+        if q_scale is not None:
+            unsupported(q_scale=q_scale)
         variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
             if window_left is not None:
                 raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
+            if k_scale is not None or v_scale is not None:
+                raise NotImplementedError("run(k_scale=, v_scale=) inside torch.compile is not supported; run eagerly")
             k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
             return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
         plan = self._current_plan(variant_params, return_lse, lse)
@@ -334,8 +343,11 @@ class _PagedMixin:
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        post = kv_scales(plan, self._device, k_scale, v_scale)
         self._require_gpu(plan)
         launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
+        if post is not None:
+            out.mul_(post)
         return (out, lse) if return_lse else out
 
     _op_kind = "paged"

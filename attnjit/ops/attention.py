@@ -21,7 +21,7 @@ import torch
 from ..variants import Variant
 from . import planner as P
 from ._common import check_tensor, check_vectors, unsupported
-from ._running import check_q_out, launch, vector_ready
+from ._running import check_q_out, kv_scales, launch, vector_ready
 from ._variants import with_sinks
 from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
 
@@ -242,13 +242,17 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                          packed_custom_mask=packed_custom_mask, kv="ragged")
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, out=None, lse=None,
-            return_lse: bool = False, enable_pdl=None, sinks=None, **variant_params: Any):
-        """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] -> out [nnz_qo, H_q, D] (and lse with return_lse). The
-        wrapper's variant takes its parameters here by name."""
+            return_lse: bool = False, enable_pdl=None, sinks=None, k_scale=None, v_scale=None,
+            **variant_params: Any):
+        """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] of the plan's kv_data_type -> out [nnz_qo, H_q, D] (and lse
+        with return_lse). The wrapper's variant takes its parameters here by name. k_scale / v_scale: the
+        dequantization scales, as for the paged wrappers' run() (a float, or an fp8 plan's float32 [H_kv] tensor)."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
         variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
+            if k_scale is not None or v_scale is not None:
+                raise NotImplementedError("run(k_scale=, v_scale=) inside torch.compile is not supported; run eagerly")
             return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
         plan = self._current_plan(variant_params, return_lse, lse)
         for name, t in (("k", k), ("v", v)):
@@ -262,8 +266,11 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        post = kv_scales(plan, self._device, k_scale, v_scale)
         self._require_gpu(plan)
         launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
+        if post is not None:
+            out.mul_(post)
         return (out, lse) if return_lse else out
 
     _op_kind = "ragged"

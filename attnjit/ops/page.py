@@ -78,6 +78,10 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
                          f"integer from 1 to {MAX_PAGE_SIZE}") from None
     dev = cache.k.device
     for name, t in (("append_key", append_key), ("append_value", append_value)):
+        if isinstance(t, torch.Tensor) and t.dtype != cache.k.dtype:
+            hint = (f"; an fp8 cache takes tokens already quantized to its type, e.g. (k / k_scale).to({cache.k.dtype})"
+                    if cache.k.element_size() == 1 else "")
+            raise TypeError(f"{name} must be {cache.k.dtype} (the cache's type), got {t.dtype}{hint}")
         check_tensor(name, t, dtype=cache.k.dtype, dim=3, device=dev)
         if t.shape[1] != cache.num_kv_heads or t.shape[2] != cache.head_dim or t.stride(2) != 1:
             raise ValueError(f"{name} must be [nnz, H_kv={cache.num_kv_heads}, D={cache.head_dim}] with a contiguous "
@@ -108,7 +112,7 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
     if launch is None or launch.kernel.module is not mod:  # first call, or the module was reloaded
         launch = dispatch.Launch("append_kv", mod.kernels["attnjit_append_kv"], (1, 1, 1))
         _launches[(spec, mod.device_index)] = launch
-    threads = nnz * cache.num_kv_heads * (cache.head_dim // 8)
+    threads = nnz * cache.num_kv_heads * (cache.head_dim * cache.k.element_size() // 16)  # one per 16 bytes
     launch.grid = (-(-threads // 128), 1, 1)
     launch(PARAMS["append"].values(
         k=append_key.data_ptr(), v=append_value.data_ptr(), batch_indices=batch_indices.data_ptr(),

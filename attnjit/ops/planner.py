@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..specs import MAX_GROUP_SIZE
-from ._common import as_dtype, check_head_dim, check_metadata, check_page_size
+from ._common import KV_DTYPES, as_dtype, check_head_dim, check_metadata, check_page_size
 from .scheduler import MAX_WORK_ITEMS
 
 MAX_HEADS = 1024
@@ -104,11 +104,14 @@ def plan_page_size(value: Any) -> int:
 
 def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any, *,
                 kv_name: str = "kv_data_type") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    """(q, kv, o) torch dtypes: q and o fp16/bf16; kv q's type or fp8 (torch.float8_e4m3fn / float8_e5m2), whose
+    cache is dequantized in the kernel's load path (run()'s k_scale / v_scale)."""
     q = as_dtype(q_data_type, "q_data_type")
-    kv = as_dtype(kv_data_type, kv_name) if kv_data_type is not None else q
+    kv = as_dtype(kv_data_type, kv_name, KV_DTYPES) if kv_data_type is not None else q
     o = as_dtype(o_data_type, "o_data_type") if o_data_type is not None else q
-    if kv != q:
-        raise ValueError(f"{kv_name}={kv} must equal q_data_type={q} (mixed q/kv types are not supported yet)")
+    if kv != q and kv.itemsize != 1:
+        raise ValueError(f"{kv_name}={kv} must equal q_data_type={q} or be an fp8 type (torch.float8_e4m3fn, "
+                         "torch.float8_e5m2): a 16-bit cache of another type than q is not supported")
     return q, kv, o
 
 

@@ -70,7 +70,8 @@ def single_prefill_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cust
                          pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False,
                          sm_scale: float | None = None, window_left: int = -1, logits_soft_cap: float | None = None,
                          rope_scale=None, rope_theta=None, return_lse: bool = False, variant: Variant | None = None,
-                         cached: bool = True, backend: str = "auto", **variant_params: Any):
+                         cached: bool = True, backend: str = "auto", k_scale=None, v_scale=None,
+                         **variant_params: Any):
     check_tensor("q", q, dim=3)
     check_tensor("k", k, dim=3, device=q.device)
     check_tensor("v", v, dim=3, device=q.device)
@@ -89,7 +90,7 @@ def single_prefill_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cust
         k, v = (t.clone(memory_format=torch.contiguous_format) for t in (k, v))
     if not vector_ready(q):
         q = q.clone(memory_format=torch.contiguous_format)
-    return wrapper.run(q, k, v, return_lse=return_lse, **variant_params)
+    return wrapper.run(q, k, v, return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, **variant_params)
 
 
 def _compiled_options(what: str, variant, variant_params, **unsupported_features) -> None:
@@ -106,10 +107,12 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  sm_scale: float | None = None, window_left: int = -1,
                                  logits_soft_cap: float | None = None, rope_scale=None, rope_theta=None,
                                  backend: str = "auto", return_lse: bool = False, variant: Variant | None = None,
-                                 **variant_params: Any):
-    """q: [qo_len, H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [qo_len, H_q, D]."""
+                                 k_scale=None, v_scale=None, **variant_params: Any):
+    """q: [qo_len, H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [qo_len, H_q, D]. k/v may
+    be fp8 (torch.float8_e4m3fn / float8_e5m2) with fp16/bf16 q; k_scale / v_scale as for the batch run()."""
     if torch.compiler.is_compiling():
         _compiled_options("single_prefill_with_kv_cache", variant, variant_params, custom_mask=custom_mask,
+                          k_scale=k_scale, v_scale=v_scale,
                           packed_custom_mask=packed_custom_mask, use_fp16_qk_reduction=use_fp16_qk_reduction,
                           rope_scale=rope_scale, rope_theta=rope_theta)
         o, lse = torch.ops.attnjit.single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap,
@@ -120,7 +123,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
                                 window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
                                 rope_theta=rope_theta, return_lse=return_lse, variant=variant, backend=backend,
-                                **variant_params)
+                                k_scale=k_scale, v_scale=v_scale, **variant_params)
 
 
 def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layout: str = "NHD",
@@ -129,7 +132,9 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 logits_soft_cap: float | None = None, sm_scale: float | None = None, rope_scale=None,
                                 rope_theta=None, return_lse: bool = False, variant: Variant | None = None,
                                 **variant_params: Any):
-    """q: [H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [H_q, D]."""
+    """q: [H_q, D], k/v: [kv_len, H_kv, D] (NHD) or [H_kv, kv_len, D] (HND) -> o [H_q, D]. k/v may be fp8
+    (torch.float8_e4m3fn / float8_e5m2) with fp16/bf16 q: k_scale / v_scale (floats, or float32 [H_kv] tensors)
+    dequantize them, as for the batch run()."""
     if torch.compiler.is_compiling():
         _compiled_options("single_decode_with_kv_cache", variant, variant_params, q_scale=q_scale, k_scale=k_scale,
                           v_scale=v_scale, rope_scale=rope_scale, rope_theta=rope_theta)
@@ -137,11 +142,12 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                                  pos_encoding_mode, return_lse)
         return (o, lse) if return_lse else o
     check_tensor("q", q, dim=2)
-    unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    unsupported(q_scale=q_scale)
     result = single_prefill_eager(q.unsqueeze(0), k, v, causal=False, kv_layout=kv_layout,
                                   pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                                  return_lse=return_lse, variant=variant, **variant_params)
+                                  return_lse=return_lse, variant=variant, k_scale=k_scale, v_scale=v_scale,
+                                  **variant_params)
     if return_lse:
         o, lse = result
         return o[0], lse[0]

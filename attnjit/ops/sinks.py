@@ -83,5 +83,5 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
             scale = plan.settings["sm_scale"] if sm_scale is None else P.as_real("sm_scale", sm_scale)
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-            plan.attn_values[_SCALE] = scale * _LOG2E
+            plan.attn_values[_SCALE] = plan.sm_scale_log2 = scale * _LOG2E  # run()'s k_scale multiplies the latter
         return super().run(q, paged_kv_cache, sinks=sinks, **kwargs)

@@ -10,10 +10,13 @@
 
 namespace attnjit {
 
-// One thread per 16 bytes (8 elements) of one (token, head) row of K and of V.
+// One thread per 16 bytes (8 16-bit or 16 fp8 elements) of one (token, head) row of K and of V. T is the cache's
+// element type; the new keys and values have the same type (an fp8 cache takes fp8 tokens, quantized by the caller).
 template <typename T, int HEAD_DIM, int PAGE_SIZE, bool HND, typename P>
 __device__ __forceinline__ void append_kv_body(const P& p) {
-  constexpr int VEC_PER_ROW = HEAD_DIM / 8;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  constexpr int VEC_PER_ROW = HEAD_DIM / VEC;
+  static_assert(HEAD_DIM % VEC == 0, "a row is whole 16-byte vectors");
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t token_head = tid / VEC_PER_ROW;
   const int vec = static_cast<int>(tid % VEC_PER_ROW);
@@ -29,9 +32,9 @@ __device__ __forceinline__ void append_kv_body(const P& p) {
   const int64_t page = reinterpret_cast<const int32_t*>(p.kv_indices)[iter];
   if (page < 0 || page >= p.num_pages) return;
   const int64_t dst = paged_offset<HND, HEAD_DIM>(page, slot_of<PAGE_SIZE>(pos), head, p.cache_stride_page,
-                                                  p.cache_stride_inner) + vec * 8;
-  const int64_t src_k = token * p.k_stride_n + head * p.k_stride_h + vec * 8;
-  const int64_t src_v = token * p.v_stride_n + head * p.v_stride_h + vec * 8;
+                                                  p.cache_stride_inner) + vec * VEC;
+  const int64_t src_k = token * p.k_stride_n + head * p.k_stride_h + vec * VEC;
+  const int64_t src_v = token * p.v_stride_n + head * p.v_stride_h + vec * VEC;
   const uint4 k = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.k) + src_k);
   const uint4 v = *reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(p.v) + src_v);
   *reinterpret_cast<uint4*>(reinterpret_cast<T*>(p.k_cache) + dst) = k;

@@ -1,6 +1,7 @@
 // attnjit/kv_load.cuh: copying Q, K and V tiles (paged or ragged) into shared memory with cp.async, shared by every
 // kernel family. A family describes its tiles with a geometry struct G:
-//   T, HEAD_DIM, GROUP, CTA_Q, CTA_KV, PAGED, PAGE_SIZE, HND, PAGES_PER_TILE, PAGE_RING,
+//   T (q and the tiles' 16-bit type), TKV (the cache's element type: T, or fp8), HEAD_DIM, GROUP, CTA_Q, CTA_KV,
+//   PAGED, PAGE_SIZE, HND, PAGES_PER_TILE, PAGE_RING,
 //   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1),
 //   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP (the tile layouts, see tile_offset).
 // Threads copy 8 to a row: thread tid copies chunks tid % 8 + 8 j (j < HEAD_DIM / 64) of rows tid / 8 + s * RPP
@@ -10,8 +11,13 @@
 // Paged KV: page ids of a tile are staged in a shared ring (PAGE_RING tiles of PAGES_PER_TILE ids) by cp.async some
 // tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile. Slot k
 // of a tile's ring entry holds page page_of(kv0) + k (any page size, attnjit/paged.cuh).
+//
+// An fp8 cache (TKV of one byte) is copied as stored into a staging tile of rows of HEAD_DIM bytes (row r at
+// r * HEAD_DIM, unswizzled; the same 8 threads per row, each HEAD_DIM / 8 bytes: 8- or 16-byte copies), and
+// dequant_kv_tile converts a staged tile into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
 #pragma once
 #include "attnjit/common.cuh"
+#include "attnjit/fp8.cuh"
 #include "attnjit/paged.cuh"
 
 namespace attnjit {
@@ -195,18 +201,24 @@ __device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageI
 // Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs, reading page ids from page_id(s)
 // (RingPageIds or RegPageIds). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
 // LOAD_K / LOAD_V: which of the two to copy (a producer that feeds K and V through separate rings copies one).
+// fp8: ks / vs are staging tiles (rows of HEAD_DIM bytes).
 template <typename G, bool LOAD_K = true, bool LOAD_V = true, typename Item, typename PageIds>
 __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const PageIds& page_id,
                                           unsigned tid) {
-  using T = typename G::T;
+  using TKV = typename G::TKV;
   constexpr int D = G::HEAD_DIM;
   constexpr int RPP = G::LOAD_THREADS / 8;
   constexpr int PASSES = G::CTA_KV / RPP;
-  constexpr int CPT = D / 64;
+  constexpr bool FP8 = is_fp8<TKV>::value;
+  // 16-bit: CPT 16-byte copies of 8 elements per thread and row; fp8: CPT copies of CB bytes (8 threads x D / 8)
+  constexpr int CB = FP8 ? (D / 8 >= 16 ? 16 : D / 8) : 16;
+  constexpr int CPT = FP8 ? D / 8 / CB : D / 64;
+  constexpr int COL = FP8 ? CB : 8;  // elements from one thread's first column to its neighbour's
   static_assert(G::CTA_KV % RPP == 0, "the kv tile must be a whole number of copy passes");
+  static_assert(sizeof(TKV) == 2 || (FP8 && (CB == 8 || CB == 16)), "KV elements are 16-bit or fp8");
   const auto& p = it.p;
-  const T* k = reinterpret_cast<const T*>(p.k);
-  const T* v = reinterpret_cast<const T*>(p.v);
+  const TKV* k = reinterpret_cast<const TKV*>(p.k);
+  const TKV* v = reinterpret_cast<const TKV*>(p.v);
   const int kv0 = it.kv_begin + tile * G::CTA_KV;
   const int c0 = tid % 8;
   const int r0 = static_cast<int>(tid) / 8;
@@ -220,9 +232,9 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     slot_stride = G::HND ? D : p.kv_stride_1;
     const int64_t head_stride = G::HND ? p.kv_stride_1 : D;
     const int slot0 = G::PAGE_SIZE > G::CTA_KV ? slot_of<G::PAGE_SIZE>(kv0) : 0;
-    thread_off = (slot0 + r0) * slot_stride + it.kv_head * head_stride + c0 * 8;
+    thread_off = (slot0 + r0) * slot_stride + it.kv_head * head_stride + c0 * COL;
   } else if constexpr (!G::PAGED) {
-    thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * 8;
+    thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * COL;
   }
 #pragma unroll
   for (int s = 0; s < PASSES; ++s) {
@@ -236,16 +248,53 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
       const int j = kv0 + r;
       const int page = page_id(s);
       off = paged_offset<G::HND, D>(page, slot_of<G::PAGE_SIZE>(j), it.kv_head, p.kv_stride_0, p.kv_stride_1);
-      off = valid ? off + c0 * 8 : 0;
+      off = valid ? off + c0 * COL : 0;
     } else {
       off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
     }
-    const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * G::KV_PITCH : tile_offset<G::KV_PITCH, G::KV_STEP>(r, c0);
+    if constexpr (FP8) {
+      const uint32_t dst = r * D + c0 * CB;  // copy j: bytes (c0 + 8 j) * CB of the row
 #pragma unroll
-    for (int j = 0; j < CPT; ++j) {
-      if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
-      if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
+      for (int j = 0; j < CPT; ++j) {
+        if constexpr (CB == 16) {
+          if constexpr (LOAD_K) cp_async_16(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_16(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
+        } else {
+          if constexpr (LOAD_K) cp_async_8(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_8(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
+        }
+      }
+    } else {
+      const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * G::KV_PITCH : tile_offset<G::KV_PITCH, G::KV_STEP>(r, c0);
+#pragma unroll
+      for (int j = 0; j < CPT; ++j) {
+        if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
+        if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
+      }
     }
+  }
+}
+
+// Convert the staged fp8 K and V tiles (rows of HEAD_DIM bytes) into the 16-bit tiles k_dst / v_dst in the family's
+// swizzled layout, on LOAD_THREADS threads. A thread reads 8 bytes and writes one 16-byte chunk: 8 neighbouring
+// threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct banks).
+template <typename G>
+__device__ __forceinline__ void dequant_kv_tile(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_dst,
+                                                uint8_t* v_dst, unsigned tid) {
+  using T = typename G::T;
+  using TKV = typename G::TKV;
+  constexpr int CH = G::HEAD_DIM / 8;  // 8-element chunks per row
+  static_assert((G::CTA_KV * CH) % G::LOAD_THREADS == 0, "every thread converts the same number of chunks");
+#pragma unroll 2
+  for (int n = 0; n < G::CTA_KV * CH / G::LOAD_THREADS; ++n) {
+    const int i = static_cast<int>(tid) + n * G::LOAD_THREADS;
+    const int r = i / CH, c = i % CH;
+    const int src = r * G::HEAD_DIM + c * 8;
+    const uint32_t dst = tile_offset<G::KV_PITCH, G::KV_STEP>(r, c);
+    const uint2 kr = *reinterpret_cast<const uint2*>(k_src + src);
+    const uint2 vr = *reinterpret_cast<const uint2*>(v_src + src);
+    *reinterpret_cast<uint4*>(k_dst + dst) = fp8x8_to<T, TKV>(kr);
+    *reinterpret_cast<uint4*>(v_dst + dst) = fp8x8_to<T, TKV>(vr);
   }
 }
 

@@ -90,10 +90,23 @@ struct AttentionCTA : WorkItem<Tr, P> {
   __device__ __forceinline__ uint8_t* q_smem() const { return smem; }
   __device__ __forceinline__ int32_t* page_smem() const { return reinterpret_cast<int32_t*>(smem + Tr::Q_SMEM); }
   __device__ __forceinline__ uint8_t* pipe_smem() const { return smem + Tr::Q_SMEM + Tr::PAGE_SMEM; }
-  __device__ __forceinline__ uint8_t* k_smem(int stage) const { return pipe_smem() + stage * Tr::KV_TILE_SMEM; }
+  // the ring's K and V of a stage, as stored (fp8: staging tiles of HEAD_DIM-byte rows)
+  __device__ __forceinline__ uint8_t* k_smem(int stage) const { return pipe_smem() + stage * Tr::KV_STAGE_SMEM; }
   __device__ __forceinline__ uint8_t* v_smem(int stage) const {
-    return pipe_smem() + (Tr::NUM_STAGES + stage) * Tr::KV_TILE_SMEM;
+    return pipe_smem() + (Tr::NUM_STAGES + stage) * Tr::KV_STAGE_SMEM;
   }
+  // the 16-bit K and V tiles the mainloop reads: the stage's own, or (fp8) the one converted tile after the ring
+  __device__ __forceinline__ uint8_t* k_tile(int stage) const {
+    if constexpr (Tr::FP8_KV) return pipe_smem() + 2 * Tr::NUM_STAGES * Tr::KV_STAGE_SMEM;
+    else return k_smem(stage);
+  }
+  __device__ __forceinline__ uint8_t* v_tile(int stage) const {
+    if constexpr (Tr::FP8_KV) return k_tile(stage) + Tr::KV_TILE_SMEM;
+    else return v_smem(stage);
+  }
+
+  // fp8 KV: the value scale of this item's kv head (k_scale is folded into scale2), applied to the output
+  float v_scale = 1.f;
 
   // ---- compute one tile -----------------------------------------------------------------------------------
 
@@ -114,7 +127,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
         for (int e = 0; e < 4; ++e) s[mq][nt][e] = 0.f;
 
     // S = Q K^T
-    const uint32_t ks = smem_u32(k_smem(stage));
+    const uint32_t ks = smem_u32(k_tile(stage));
 #pragma unroll
     for (int kd = 0; kd < D / 16; ++kd) {
       uint32_t a[Tr::NUM_MMA_Q][4];
@@ -243,7 +256,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
   // O += P V
   __device__ __forceinline__ void pv(const float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], int stage,
                                      WarpState<Tr>& st) const {
-    const uint32_t vs = smem_u32(v_smem(stage));
+    const uint32_t vs = smem_u32(v_tile(stage));
     // softmax row sums of this tile on the tensor cores (P x ones), from the same rounded P that multiplies V:
     // one mma per 16x16 block instead of an add per element, and every lane of a quad gets its rows' sums
     float rs[Tr::NUM_MMA_Q][4];
@@ -295,6 +308,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
       inv = 1.f;
       lse = 0.f;
     }
+    if constexpr (Tr::FP8_KV) inv *= v_scale;  // o = v_scale * sum_j p_j v_j (v dequantized); lse is unaffected
   }
 
   __device__ __forceinline__ void finish(WarpState<Tr>& st) {
@@ -425,6 +439,10 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
   __device__ __forceinline__ void run_item(int w, int head, float scale2) {
     kv_head = head;
+    if constexpr (Tr::FP8_KV) {  // per-KV-head scales (float32 [H_kv], or 0); the scalar k_scale is in scale2
+      if (p.scale_k) scale2 *= reinterpret_cast<const float*>(p.scale_k)[head];
+      v_scale = static_cast<float>(p.scale_v_value) * (p.scale_v ? reinterpret_cast<const float*>(p.scale_v)[head] : 1.f);
+    }
     if (!setup(w)) return;
     // commit groups, in order: page ids of tiles 0..2S-3 | Q | K/V of tiles 0..S-2 (prologue) | one per
     // iteration i: K/V of tile i+S-1 with the page ids of tile i+2S-2, so every page id lands S-1 iterations
@@ -470,8 +488,18 @@ struct AttentionCTA : WorkItem<Tr, P> {
           __syncthreads();
         }
       }
+      const int next = i + S - 1;
+      if constexpr (Tr::FP8_KV) {
+        // the next copies first (their stage was converted last iteration), then convert this stage into the
+        // 16-bit tiles, which compute_tile(i - 1) finished reading at the barrier above
+        if (next < num_tiles) issue_kv(next, next % S);
+        if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
+        cp_async_commit();
+        dequant_kv_tile<Tr>(k_smem(i % S), v_smem(i % S), k_tile(i % S), v_tile(i % S), threadIdx.x);
+        __syncthreads();
+      }
       if constexpr (V::HAS_KEY_TRANSFORM) {  // K(i) is resident in every thread's view: transform it in place
-        transform_k_tile<Tr>(*this, k_smem(i % S), kv_begin + i * Tr::CTA_KV, threadIdx.x, Tr::NUM_THREADS);
+        transform_k_tile<Tr>(*this, k_tile(i % S), kv_begin + i * Tr::CTA_KV, threadIdx.x, Tr::NUM_THREADS);
         __syncthreads();
       }
       if constexpr (Tr::Q_IN_REGS) {
@@ -482,10 +510,11 @@ struct AttentionCTA : WorkItem<Tr, P> {
             for (int kd = 0; kd < D / 16; ++kd) load_q_frag(qf[mq][kd], mq, kd);
         }
       }
-      const int next = i + S - 1;
-      if (next < num_tiles) issue_kv(next, next % S);
-      if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
-      cp_async_commit();
+      if constexpr (!Tr::FP8_KV) {
+        if (next < num_tiles) issue_kv(next, next % S);
+        if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
+        cp_async_commit();
+      }
       compute_tile(i, i % S, st, qf, scale2);
     }
     cp_async_wait<0>();

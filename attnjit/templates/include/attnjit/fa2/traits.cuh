@@ -6,12 +6,13 @@
 namespace attnjit {
 
 // Every tile and stage constant of one fa2 kernel instance.
-template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_,
+template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_,
           bool HND_, int NUM_WARPS_Q_, int NUM_WARPS_KV_, int NUM_MMA_Q_, int NUM_MMA_KV_, int NUM_STAGES_,
           typename VARIANT_ = NoVariant>
 struct AttentionTraits {
-  using T = T_;    // q, k, v element type
-  using TO = TO_;  // output element type
+  using T = T_;      // q element type, and the type K and V tiles have in shared memory (the mma's type)
+  using TO = TO_;    // output element type
+  using TKV = TKV_;  // the KV cache's element type: T, or fp8 (e4m3/e5m2) dequantized to T in shared memory
   using Variant = VARIANT_;  // hook policy (NoVariant: plain softmax attention)
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int GROUP = GROUP_;  // query heads per KV head
@@ -37,8 +38,12 @@ struct AttentionTraits {
   static constexpr int PAGE_RING = 2 * NUM_STAGES;         // tiles whose page ids are resident
   static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
   static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
-  static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, one stage
-  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_TILE_SMEM;
+  static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, 16-bit: what the mainloop reads
+  // the cp.async ring holds K and V as stored; an fp8 cache's stages are converted into one 16-bit K and V tile
+  static constexpr int KV_ELEM_BYTES = static_cast<int>(sizeof(TKV));
+  static constexpr bool FP8_KV = KV_ELEM_BYTES == 1;
+  static constexpr int KV_STAGE_SMEM = CTA_KV * HEAD_DIM * KV_ELEM_BYTES;  // one of K or V, one stage, as stored
+  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_STAGE_SMEM + (FP8_KV ? 2 * KV_TILE_SMEM : 0);
   // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
   // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
   static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
@@ -60,6 +65,8 @@ struct AttentionTraits {
   static_assert(NUM_STAGES >= 2, "the K/V pipeline needs at least two stages");
   static_assert(NUM_WARPS_Q == 1 || NUM_WARPS_KV == 1, "warps split either q rows or kv columns, not both");
   static_assert(GROUP >= 1, "group size must be positive");
+  static_assert(KV_ELEM_BYTES == 2 ? std::is_same<TKV, T>::value : FP8_KV,
+                "the cache holds q's 16-bit type or fp8");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(PAGES_PER_TILE <= NUM_THREADS, "one thread per staged page id");
 };

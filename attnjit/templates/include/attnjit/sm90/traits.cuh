@@ -10,6 +10,7 @@ template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bo
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
   using T = T_;
+  using TKV = T_;  // the cache's element type (an fp8 cache runs on fa2: families/sm90.py)
   using TO = TO_;
   using Variant = VARIANT_;
   static constexpr int HEAD_DIM = HEAD_DIM_;

@@ -1,0 +1,79 @@
+// attnjit/fp8.cuh: an fp8 KV cache (e4m3, e5m2) dequantized to the kernels' 16-bit type T.
+//
+// Conversions are exact: every e4m3 and e5m2 value (but NaN) is an fp16 value, and every fp16 value of that range
+// a bf16 one. sm_89 and up convert with the hardware instruction (cvt.rn.f16x2.e4m3x2 / e5m2x2: SASS F2FP); sm_80
+// with bit tricks on the packed bytes:
+//   e5m2 -> fp16: the byte is the fp16's high byte (same sign, exponent bias 15, the top 2 mantissa bits).
+//   e4m3 -> fp16: sign to bit 15, exponent and mantissa (7 bits) to bits 7..13, which is the value * 2^-8 in fp16
+//                 (exponent bias 7 vs 15; subnormals map to subnormals), then one exact multiply by 2^8. The bit path
+//                 reads e4m3's NaN (0x7f) as 480; the hardware path gives NaN.
+// bf16: via fp16 -> float -> bf16, exact.
+// The scale of a quantized cache (k_scale, v_scale) is applied outside: k_scale in the logit scale, v_scale on the
+// output (attnjit/fa2/attention.cuh), so the converted tiles hold the stored values.
+#pragma once
+#include <cuda_fp8.h>
+
+#include "attnjit/common.cuh"
+
+namespace attnjit {
+
+template <typename TKV>
+struct is_fp8 : std::integral_constant<bool, sizeof(TKV) == 1> {};
+
+template <typename TKV>
+struct is_e5m2 : std::is_same<TKV, __nv_fp8_e5m2> {};
+
+// Two fp8 (low byte = the first) -> two fp16 in one register (low half = the first).
+template <typename TKV>
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint16_t x) {
+  uint32_t h;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if constexpr (is_e5m2<TKV>::value) {
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h) : "h"(x));
+  } else {
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(x));
+  }
+#else
+  const uint32_t w = x;
+  if constexpr (is_e5m2<TKV>::value) {
+    h = __byte_perm(w, 0u, 0x1404);  // bytes [0, b0, 0, b1]: each byte is the high byte of its fp16
+  } else {
+    const uint32_t s = __byte_perm(w, 0u, 0x1404);                    // [0, b0, 0, b1]
+    const uint32_t bits = (s & 0x80008000u) | ((s & 0x7f007f00u) >> 1);  // sign | exponent, mantissa at 7..13
+    __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&bits), __half2half2(__ushort_as_half(0x5c00)));  // 2^8
+    h = *reinterpret_cast<uint32_t*>(&v);
+  }
+#endif
+  return h;
+}
+
+// Two fp8 -> two T (fp16 or bf16) in one register.
+template <typename T, typename TKV>
+__device__ __forceinline__ uint32_t fp8x2_to(uint16_t x) {
+  const uint32_t h = fp8x2_to_half2<TKV>(x);
+  if constexpr (is_bf16<T>::value) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return pack2<T>(f.x, f.y);
+  } else {
+    return h;
+  }
+}
+
+// Eight fp8 (8 bytes) -> eight T (16 bytes), in order.
+template <typename T, typename TKV>
+__device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
+  uint4 out;
+  out.x = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.x & 0xffffu));
+  out.y = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.x >> 16));
+  out.z = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.y & 0xffffu));
+  out.w = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.y >> 16));
+  return out;
+}
+
+// 8 bytes global -> shared (cp.async.ca: the 16-byte form is .cg only); when !pred, zero-filled and nothing read.
+__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool pred) {
+  const int bytes = pred ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
+}
+
+}  // namespace attnjit

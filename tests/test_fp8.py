@@ -1,0 +1,274 @@
+"""FP8 KV cache on the CPU (issue 14 item 1): the element-type table, specs and their keys, real nvcc compiles of
+the fp8 kernels for sm_90a and sm_80 (the sm_90a decode kernel converts with the hardware F2FP and does not spill),
+the sm_80 bit-trick conversion checked exhaustively against torch, plan()/run() validation of dtypes and scales,
+the reference's dequantization and the family fallback (sm90 -> fa2)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+
+import pytest
+import torch
+
+import attnjit
+from attnjit import dtypes, reference
+from attnjit.generator import render
+from attnjit.specs import AttentionSpec, SpecError, load_catalog
+from attnjit.toolchain import flags_for, nvcc
+
+from .helpers import i32
+from .test_families import _cuobjdump
+
+DECODE = dict(op="decode", head_dim=128, page_size=16, group_size=4)
+
+
+# --- the element-type table and specs ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alias,name", [("e4m3", "e4m3"), ("float8_e4m3fn", "e4m3"), ("FP8_E4M3", "e4m3"),
+                                        ("torch.float8_e4m3fn", "e4m3"), (torch.float8_e4m3fn, "e4m3"),
+                                        ("e5m2", "e5m2"), ("fp8_e5m2", "e5m2"), (torch.float8_e5m2, "e5m2"),
+                                        ("half", "fp16"), (torch.bfloat16, "bf16")])
+def test_aliases_and_torch_dtypes_map_to_one_name(alias, name):
+    t = dtypes.lookup(alias)
+    assert t is not None and t.name == name
+    assert AttentionSpec(dtype_q="bf16", dtype_kv=alias if t.is_fp8 else "bf16", **DECODE).dtype_kv == \
+        (name if t.is_fp8 else "bf16")
+
+
+def test_the_table_is_consistent_with_torch():
+    for t in dtypes.TYPES.values():
+        assert t.torch.itemsize == t.bytes and dtypes.lookup(t.torch) is t
+        assert render(AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype_kv=t.name)).source.count(
+            f"using T = {t.ctype};") == 1
+
+
+def test_fp8_kv_specs_name_their_type_and_differ_from_16_bit_ones():
+    plain = AttentionSpec(dtype="bf16", **DECODE)
+    e4 = AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", **DECODE)
+    e5 = AttentionSpec(dtype_q="bf16", dtype_kv="float8_e5m2", **DECODE)
+    assert len({plain, e4, e5}) == 3 and e4.dtype_o == "bf16"
+    assert '"dtype_kv":"e4m3"' in e4.canonical() and "-kve4m3-" in e4.short_name()
+    assert AttentionSpec.parse(e5.as_flags()) == e5
+    assert len({render(s).source for s in (plain, e4, e5)}) == 3
+    assert "using TKV = __nv_fp8_e4m3;" in render(e4).source
+
+
+@pytest.mark.parametrize("kwargs,field,message", [
+    (dict(dtype_q="e4m3", dtype_kv="e4m3"), "dtype_q", "expected one of fp16, bf16"),
+    (dict(dtype_q="fp16", dtype_kv="bf16"), "dtype_kv", "must equal dtype_q='fp16' or be an fp8 type"),
+    (dict(dtype_q="bf16", dtype_kv="e4m3", dtype_o="e4m3"), "dtype_o", "expected one of fp16, bf16"),
+    (dict(dtype_q="bf16", dtype_kv="fp8"), "dtype_kv", "expected one of fp16, bf16, e4m3, e5m2"),
+])
+def test_bad_fp8_specs_name_the_field(kwargs, field, message):
+    with pytest.raises(SpecError, match=re.escape(message)) as exc:
+        AttentionSpec(**DECODE, **kwargs)
+    assert exc.value.field == field
+
+
+def test_sm90_declines_fp8_and_fp8_prefill_defaults_to_fa2():
+    prefill = dict(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", mask="causal", arch="sm_90a")
+    assert AttentionSpec(**prefill, dtype_kv="bf16").family == "sm90"
+    assert AttentionSpec(**prefill, dtype_kv="e4m3").family == "fa2"
+    with pytest.raises(SpecError, match="an fp8 cache \\(e4m3\\) runs on fa2"):
+        AttentionSpec(**prefill, dtype_kv="e4m3", family="sm90")
+
+
+def test_a_catalog_names_fp8_kv(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[[spec]]\nop = ["decode", "prefill"]\nhead_dim = 128\npage_size = 16\ndtype_q = "bf16"\n'
+                    'dtype_kv = ["e4m3", "e5m2"]\ngroup_size = 4\n')
+    specs = load_catalog(path)
+    assert {(s.op, s.dtype_kv, s.family) for s in specs} == {(op, kv, "fa2") for op in ("decode", "prefill")
+                                                             for kv in ("e4m3", "e5m2")}
+
+
+# --- compiles ------------------------------------------------------------------------------------------------
+
+def _compile(tmp_path, spec: AttentionSpec) -> tuple[str, str]:
+    src, cubin = tmp_path / "k.cu", tmp_path / "k.cubin"
+    src.write_text(render(spec).source)
+    proc = subprocess.run([str(nvcc().path), *flags_for(spec.arch), "-o", str(cubin), str(src)], capture_output=True,
+                          text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    tool = _cuobjdump()
+    assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
+    return log, subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def _no_spills(log: str, sass: str) -> None:
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), log
+    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the kernel"
+
+
+@pytest.mark.nvcc
+def test_sm90a_fp8_decode_uses_the_hardware_convert_and_does_not_spill(tmp_path):
+    log, sass = _compile(tmp_path, AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE))
+    _no_spills(log, sass)
+    assert "F2FP.F16.E4M3.UNPACK_B" in sass  # cvt.rn.f16x2.e4m3x2
+    assert "HMUL2" not in sass               # not the sm_80 bit path
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(dtype_q="fp16", dtype_kv="e5m2", arch="sm_80", **DECODE),
+    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv="e4m3", mask="causal",
+                  group_size=4, arch="sm_90a"),
+    AttentionSpec(op="prefill", head_dim=64, kv="ragged", dtype_q="bf16", dtype_kv="e4m3", mask="causal",
+                  group_size=4, arch="sm_80"),
+    AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype_kv="e4m3", arch="sm_90a"),
+    AttentionSpec(op="append_kv", head_dim=64, page_size=5, dtype_kv="e5m2", layout="HND", arch="sm_80"),
+], ids=lambda s: s.short_name())
+def test_fp8_kernels_compile_without_spills(tmp_path, spec):
+    log, sass = _compile(tmp_path, spec)
+    _no_spills(log, sass)
+    if spec.op != "append_kv":
+        assert ("F2FP" in sass and "E4M3" in sass) if spec.arch == "sm_90a" else "E4M3" not in sass
+
+
+def _bit_trick(code: int, fmt: str) -> float:
+    """attnjit/fp8.cuh's sm_80 conversion of one fp8 byte, in Python: the same bits, then the fp16 multiply."""
+    import numpy as np
+
+    s = code << 8  # __byte_perm(w, 0, 0x1404): the byte is the high byte of a 16-bit lane
+    bits = s if fmt == "e5m2" else (s & 0x8000) | ((s & 0x7f00) >> 1)
+    h = np.array([bits], dtype=np.uint16).view(np.float16)[0]
+    return float(h) if fmt == "e5m2" else float(h * np.float16(256.0))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_the_sm80_bit_conversion_is_exact_for_every_code(fmt):
+    dt = dtypes.of(fmt).torch
+    for code in range(256):
+        want = torch.tensor([code], dtype=torch.uint8).view(dt).double().item()
+        got = _bit_trick(code, fmt)
+        if math.isnan(want):
+            assert fmt == "e4m3" or math.isnan(got)  # e4m3's NaN reads as 480 on the bit path (documented)
+        else:
+            assert got == want, (fmt, code, got, want)
+
+
+# --- plan() and run() ------------------------------------------------------------------------------------------
+
+H_Q, H_KV, D, PS = 32, 8, 128, 16
+KV_INDPTR, KV_LAST = [0, 2, 5], [3, 16]
+
+
+def _decode(kv_data_type="e4m3", q_data_type=torch.bfloat16, **kw):
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), **kw)
+    w.plan(i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, q_data_type=q_data_type,
+           kv_data_type=kv_data_type)
+    return w
+
+
+def _inputs(kv_dtype=torch.float8_e4m3fn):
+    q = torch.randn(2, H_Q, D).to(torch.bfloat16)
+    cache = torch.randn(5, 2, PS, H_KV, D).to(kv_dtype)
+    return q, cache
+
+
+def test_plan_takes_fp8_kv_by_name_or_dtype_and_records_fa2():
+    for kv in ("e4m3", torch.float8_e4m3fn, "float8_e4m3fn", "fp8_e5m2", torch.float8_e5m2):
+        w = _decode(kv)
+        assert w._plan.spec.dtype_kv == dtypes.lookup(kv).name and w.last_plan["family"] == "fa2"
+    p = attnjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    p.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    assert p.last_plan["family"] == "fa2"  # sm90 would take a wide bf16 batch on sm_90a
+    p.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
+           q_data_type=torch.bfloat16)
+    assert p.last_plan["family"] == "sm90"
+    f = attnjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="fa3")
+    with pytest.raises(ValueError, match=r"backend='fa3' cannot run this plan: .*fp8 cache"):
+        f.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
+               q_data_type=torch.bfloat16, kv_data_type="e4m3")
+
+
+@pytest.mark.parametrize("q,kv,exc,match", [
+    (torch.float8_e4m3fn, "e4m3", TypeError, r"q_data_type=torch.float8_e4m3fn is not supported"),
+    (torch.bfloat16, torch.float16, ValueError, r"kv_data_type=torch.float16 must equal q_data_type=torch.bfloat16 "
+                                                r"or be an fp8 type"),
+    (torch.bfloat16, "int8", TypeError, r"kv_data_type='int8' is not supported: expected .*float8_e4m3fn"),
+])
+def test_plan_rejects_bad_dtype_pairs(q, kv, exc, match):
+    with pytest.raises(exc, match=match):
+        _decode(kv, q)
+
+
+@pytest.mark.parametrize("name", ["k_scale", "v_scale"])
+@pytest.mark.parametrize("value,exc,match", [
+    (float("nan"), ValueError, "positive finite"), (float("inf"), ValueError, "positive finite"),
+    (0.0, ValueError, "positive finite"), (-1.0, ValueError, "positive finite"), (True, TypeError, "got bool"),
+    ("1", TypeError, "got str"), (torch.ones(H_KV, dtype=torch.float16), TypeError, "float32 tensor"),
+    (torch.ones(H_KV + 1), ValueError, r"shape \[8\]"), (torch.ones(1, H_KV), ValueError, r"shape \[8\]"),
+    (torch.ones(2 * H_KV)[::2], ValueError, "contiguous"),
+])
+def test_run_rejects_bad_scales_by_name(name, value, exc, match):
+    w = _decode()
+    q, cache = _inputs()
+    with pytest.raises(exc, match=rf"^{name} .*{match}"):
+        w.run(q, cache, **{name: value})
+
+
+def test_good_scales_fill_the_parameter_struct():
+    w = _decode()
+    q, cache = _inputs()
+    vals, idx = w._plan.attn_values, w._plan.layout.index
+    base = w._plan.sm_scale_log2
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, k_scale=0.5, v_scale=0.25)
+    assert vals[idx["sm_scale_log2"]] == pytest.approx(base * 0.5) and vals[idx["scale_v_value"]] == 0.25
+    ks, vs = torch.full((H_KV,), 0.5), torch.full((H_KV,), 2.0)
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, k_scale=ks, v_scale=vs)
+    assert vals[idx["scale_k"]] == ks.data_ptr() and vals[idx["scale_v"]] == vs.data_ptr()
+    assert vals[idx["sm_scale_log2"]] == base and vals[idx["scale_v_value"]] == 1.0
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache)   # no scales: the plan's again
+    assert (vals[idx["scale_k"]], vals[idx["scale_v"]], vals[idx["sm_scale_log2"]]) == (0, 0, base)
+
+
+def test_a_16_bit_plan_takes_float_scales_but_not_tensors():
+    w = _decode(None)
+    q, cache = _inputs(torch.bfloat16)
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, k_scale=0.5, v_scale=2.0)   # as FlashInfer: k_scale in the logit scale, out *= v_scale
+    assert w._plan.attn_values[w._plan.layout.index["sm_scale_log2"]] == pytest.approx(w._plan.sm_scale_log2 * 0.5)
+    with pytest.raises(ValueError, match=r"v_scale: per-KV-head scale tensors need an fp8 KV plan"):
+        w.run(q, cache, v_scale=torch.ones(H_KV))
+
+
+def test_the_cache_must_have_the_plans_kv_type():
+    w = _decode("e4m3")
+    q, _ = _inputs()
+    for dt in (torch.float8_e5m2, torch.bfloat16):
+        with pytest.raises(ValueError, match=r"paged_kv_cache must be torch.float8_e4m3fn"):
+            w.run(q, _inputs(dt)[1])
+
+
+def test_append_into_an_fp8_cache_takes_its_type_only():
+    cache = torch.zeros(4, 2, PS, H_KV, D, dtype=torch.float8_e4m3fn)
+    k = torch.randn(3, H_KV, D)
+    args = (i32([0, 0, 0]), i32([0, 1, 2]), cache, i32([1]), i32([0, 1]), i32([3]))
+    for dt in (torch.bfloat16, torch.float8_e5m2):
+        with pytest.raises(TypeError, match=r"append_key must be torch.float8_e4m3fn \(the cache's type\).*quantized"):
+            attnjit.append_paged_kv_cache(k.to(dt), k.to(dt), *args)
+    with pytest.raises(attnjit.NoGPUError):
+        attnjit.append_paged_kv_cache(k.to(cache.dtype), k.to(cache.dtype), *args)
+
+
+# --- the reference ---------------------------------------------------------------------------------------------
+
+def test_the_reference_dequantizes_with_float_and_per_head_scales():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(5, 8, 64, generator=gen)
+    k8 = (torch.randn(40, 2, 64, generator=gen) * 30).to(torch.float8_e4m3fn)
+    v8 = (torch.randn(40, 2, 64, generator=gen) * 30).to(torch.float8_e5m2)
+    ks, vs = torch.tensor([0.02, 0.05]), 0.03
+    o, lse = reference.attention(q, k8, v8, causal=True, k_scale=ks, v_scale=vs)
+    k, v = k8.double() * ks.double().reshape(1, 2, 1), v8.double() * vs
+    o_ref, lse_ref = reference.attention(q, k, v, causal=True)
+    assert torch.allclose(o, o_ref) and torch.allclose(lse, lse_ref)

@@ -13,6 +13,7 @@ a whole run() (all its launches). Every input is random; KV caches are larger th
 
     python benchmarks/bench.py [--only decode|prefill|variants] [--main-only] [--no-flashinfer] [--json OUT.json]
     python benchmarks/bench.py --only cascade   # shared-prefix decode (benchmarks/cascade.py; not in the default run)
+    python benchmarks/bench.py --only fp8       # fp8 (e4m3) KV decode vs bf16 and FlashInfer (benchmarks/fp8.py)
     python benchmarks/bench.py --sweep      # prefill tile variants (tuning aid; compiles each variant)
     python benchmarks/bench.py --order-sweep   # prefill work orders: request-grouped vs longest-first
 """
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
-from benchmarks import cascade, prefill  # noqa: E402
+from benchmarks import cascade, fp8, prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
@@ -295,7 +296,7 @@ def table(results, copy_tbps: float) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decode", "prefill", "variants", "cascade"])
+    ap.add_argument("--only", choices=["decode", "prefill", "variants", "cascade", "fp8"])
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
@@ -328,6 +329,10 @@ def main() -> int:
     prefill_rows: list[dict] = []
     variant_rows: list[dict] = []
     cascade_rows: list[dict] = []
+    fp8_rows: list[dict] = []
+    if args.only == "fp8":
+        fp8.bench_fp8(fi, DECODE_ROWS, fp8_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(fp8.table(fp8_rows), flush=True)
     if args.only == "cascade":
         cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
         print(cascade.table(cascade_rows), flush=True)
@@ -348,6 +353,8 @@ def main() -> int:
         doc = {"meta": meta, "decode": decode_rows, "prefill": prefill_rows, "variants": variant_rows}
         if cascade_rows:
             doc["cascade"] = cascade_rows
+        if fp8_rows:
+            doc["fp8"] = fp8_rows
         Path(args.json).write_text(json.dumps(doc, indent=1))
     print(json.dumps(meta))
     if decode_rows:
@@ -356,6 +363,8 @@ def main() -> int:
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]))
     if cascade_rows:
         print(cascade.table(cascade_rows))
+    if fp8_rows:
+        print(fp8.table(fp8_rows))
     if variant_rows:
         print(prefill.variant_table([r for r in variant_rows if r["op"] == "prefill variants"]))
         print(variant_table([r for r in variant_rows if r["op"] != "prefill variants"]))

@@ -11,6 +11,7 @@ FLASHINFER_WORKSPACE_BASE) on the GPU machine.
     python3 scripts/flashinfer_prebuild.py --list                  # the modules and their URIs
     python3 scripts/flashinfer_prebuild.py fa2-128 page --pack .bench/fi-jit.tar.xz
     python3 scripts/flashinfer_prebuild.py all --pack .bench/fi-jit.tar.xz --verify
+    python3 scripts/flashinfer_prebuild.py fa2-128-e4m3 decode-128-e4m3 --pack .bench/fi-jit-fp8.tar.xz --verify
 
 Needs nvcc 13.x, c++, torch (any build, CPU is fine: FlashInfer imports it; only its C++ ABI flag enters the
 compile) and network once: the tvm-ffi wheel for this Python (the bundle's is cp312), three pure-Python
@@ -61,9 +62,12 @@ ARCH = "9.0a"                         # gpu_check.sh's FLASHINFER_CUDA_ARCH_LIST
 CURAND = "nvidia-curand==10.4.0.35"   # CUDA 13.0's cuRAND, for its headers where the toolkit lacks them
 HOST_DEPS = ["nvidia-ml-py", "einops", "tabulate"]   # imported by `import flashinfer`, not by the kernels
 
-# name -> (kind, head_dim, sliding window, logits soft-cap). fa2 is what every project call site uses today
-# (bench.py, model.py, engine.py, profile_kernels.py pass backend="fa2"; BatchDecodeWithPagedKVCacheWrapper
-# with use_tensor_cores=True plans through the same fa2 prefill module); page is append_paged_kv_cache.
+# name -> (kind, head_dim, sliding window, logits soft-cap[, kv dtype]). fa2 is what every project call site uses
+# today (bench.py, model.py, engine.py, profile_kernels.py pass backend="fa2"; BatchDecodeWithPagedKVCacheWrapper
+# with use_tensor_cores=True plans through the same fa2 prefill module); page is append_paged_kv_cache. The fp8
+# rows of benchmarks/fp8.py (bf16 q over an e4m3 cache) run FlashInfer's decode wrapper both ways: with
+# use_tensor_cores=True through the fa2 prefill module with an e4m3 kv type (FA3 needs fp8 q for an fp8 cache),
+# without it through the CUDA-core batch decode module ("decode" kind).
 MODULES = {
     "fa2-128": ("fa2", 128, False, False),
     "page": ("page", 0, False, False),
@@ -76,37 +80,47 @@ MODULES = {
     "fa3-256": ("fa3", 256, False, False),
     "fa3-128-softcap": ("fa3", 128, False, True),
     "fa3-128-window": ("fa3", 128, True, False),
+    "fa2-128-e4m3": ("fa2", 128, False, False, "float8_e4m3fn"),
+    "decode-128-e4m3": ("decode", 128, False, False, "float8_e4m3fn"),
 }
 
 
 def module_args(name: str) -> tuple:
     """get_batch_prefill_module's arguments as BatchPrefillWithPagedKVCacheWrapper.plan builds them: q, kv, o
     and index dtypes, head_dim_qk, head_dim_vo, pos_encoding_mode (0: NONE), use_sliding_window,
-    use_logits_soft_cap, use_fp16_qk_reduction."""
+    use_logits_soft_cap, use_fp16_qk_reduction; get_batch_decode_module's ("decode" kind) lack the last."""
     import torch
 
-    _, d, window, cap = MODULES[name]
-    return (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.int32, d, d, 0, window, cap, False)
+    kind, d, window, cap, *kv = MODULES[name]
+    kv_dtype = getattr(torch, kv[0]) if kv else torch.bfloat16
+    args = (torch.bfloat16, kv_dtype, torch.bfloat16, torch.int32, d, d, 0, window, cap)
+    return args if kind == "decode" else args + (False,)
 
 
 def make_spec(name: str):
     """The JitSpec that get_batch_prefill_module (prefill.py) builds for this module."""
-    from flashinfer.jit.attention.modules import _gen_batch_prefill_primary_module, gen_batch_prefill_module
+    from flashinfer.jit.attention.modules import (_gen_batch_prefill_primary_module, gen_batch_decode_module,
+                                                  gen_batch_prefill_module)
     from flashinfer.jit.page import gen_page_module
 
     kind = MODULES[name][0]
     if kind == "page":
         return gen_page_module()
+    if kind == "decode":
+        return gen_batch_decode_module(*module_args(name))
     gen = _gen_batch_prefill_primary_module if kind == "fa2" else gen_batch_prefill_module
     return gen(kind, *module_args(name))
 
 
 def wrapper_module(name: str):
     """Load the module the way a wrapper's plan() does (this registers FlashInfer's custom ops too)."""
+    from flashinfer.decode import get_batch_decode_module
     from flashinfer.page import get_page_module
     from flashinfer.prefill import get_batch_prefill_module
 
     kind = MODULES[name][0]
+    if kind == "decode":
+        return get_batch_decode_module(*module_args(name))
     return get_page_module() if kind == "page" else get_batch_prefill_module(kind, *module_args(name))
 
 

@@ -108,6 +108,31 @@ def make_ragged(qo_lens, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, dtype
     return qo_indptr, kv_indptr, cast(q), cast(k), cast(v)
 
 
+def fp8_scales(kind: str, num_kv_heads: int, device) -> tuple:
+    """(k_scale, v_scale) of an fp8 cache: floats, or (kind "tensor") float32 [H_kv] tensors of distinct per-head
+    values. The cache holds k / k_scale: with unit-variance keys its values stay well inside e4m3's range (448)."""
+    if kind == "tensor":
+        h = torch.arange(num_kv_heads, dtype=torch.float32)
+        return ((1 + h % 3) / 64).to(device), ((2 + h % 4) / 128).to(device)
+    return 1 / 48, 1 / 40
+
+
+def quantize(t: torch.Tensor, scale, head_axis: int, dtype: torch.dtype) -> torch.Tensor:
+    """t / scale in ``dtype`` (fp8); a per-head scale divides along ``head_axis``."""
+    if isinstance(scale, torch.Tensor):
+        shape = [1] * t.dim()
+        shape[head_axis] = -1
+        scale = scale.to(t.device).reshape(shape)
+    return (t.float() / scale).to(dtype)
+
+
+def quantize_cache(cache: torch.Tensor, k_scale, v_scale, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """A [P, 2, ...] cache quantized to ``dtype``: keys by k_scale, values by v_scale (per head or scalar)."""
+    axis = 2 if layout == "NHD" else 1  # of cache[:, i]: [P, page, H, D] (NHD) or [P, H, page, D] (HND)
+    return torch.stack([quantize(cache[:, 0], k_scale, axis, dtype), quantize(cache[:, 1], v_scale, axis, dtype)],
+                       dim=1)
+
+
 def poisoned(shape, dtype, device) -> torch.Tensor:
     """An output buffer full of NaN: any element the kernel does not write fails the comparison."""
     return torch.full(shape, float("nan"), dtype=dtype, device=device)

@@ -62,6 +62,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         logits_soft_cap, window_left, pos_encoding_mode="ALIBI" or "ROPE_LLAMA" (rope_scale, rope_theta),
         custom_mask / packed_custom_mask are built-in variants (FlashInfer's semantics); sm_scale defaults to
         1/sqrt(head_dim). sinks=True adds an attention sink whose values run() takes (``sinks=``; ops/sinks.py).
+        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
+        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
         and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
@@ -127,6 +129,8 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The
         GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long histories are split
         across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
+        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
+        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
         and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
@@ -214,6 +218,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
 
         qo_indptr: [B+1] int32 (query rows per request), kv_indptr: [B+1] int32 (key rows per request, including
         the new tokens). causal, variants and sm_scale as for the paged prefill wrapper.
+        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
+        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
         Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
         picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
         and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it

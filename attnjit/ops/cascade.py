@@ -95,7 +95,8 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
              pos_encoding_mode: str = "NONE", use_fp16_qk_reduction: bool = False, sm_scale: float | None = None,
              window_left: int = -1, logits_soft_cap: float | None = None, rope_scale=None, rope_theta=None,
              q_data_type="float16", kv_data_type=None, **kwargs: Any) -> None:
-        """Plan every level (FlashInfer's arguments; ``kwargs`` go to each level's plan, e.g. fixed_split_size)."""
+        """Plan every level (FlashInfer's arguments; ``kwargs`` go to each level's plan, e.g. fixed_split_size).
+        kv_data_type may be fp8 (e4m3 / e5m2): run()'s k_scale / v_scale then go to every level's run()."""
         n = self._num_levels
         arrays = [_levels(name, value, n) for name, value in (
             ("qo_indptr_arr", qo_indptr_arr), ("paged_kv_indptr_arr", paged_kv_indptr_arr),
@@ -146,7 +147,8 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False, **kwargs: Any):
         """q: [nnz_qo, H_q, D] -> out [nnz_qo, H_q, D] (and the merged lse [nnz_qo, H_q], base 2, with
-        return_lse). The last level writes out/lse, each other level its scratch, merged in place."""
+        return_lse). The last level writes out/lse, each other level its scratch, merged in place. ``kwargs`` (e.g.
+        k_scale, v_scale for an fp8 cache) go to every level's run()."""
         if self._plan is None:
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan()")
         if args:

@@ -41,6 +41,8 @@ class Case:
     split: str = "auto"         # auto | force (fixed_split_size=128) | off (disable_split_kv)
     shared_prefix: bool = False
     offset: float = 0.0         # added to every logit (large-logit stability)
+    kv: str | None = None       # an fp8 cache (e4m3 | e5m2) under q's type; None: the cache has q's type
+    scale: str = "float"        # fp8: k_scale/v_scale as floats, or "tensor" (float32 [H_kv] per-head scales)
 
     @property
     def id(self) -> str:
@@ -48,19 +50,21 @@ class Case:
 
     @property
     def families(self) -> tuple[str, ...]:
-        """The kernel families this case runs on (its axis in the matrix): prefill on both, decode on fa2."""
-        return ("fa2",) if self.kind == "decode" else FAMILIES
+        """The kernel families this case runs on (its axis in the matrix): prefill on both, decode and an fp8
+        cache on fa2."""
+        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        dts = dict(dtype_q=dt, dtype_kv=self.kv or dt)
         group = self.heads[0] // self.heads[1]
         if self.kind == "decode":
-            return AttentionSpec(op="decode", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
+            return AttentionSpec(op="decode", head_dim=self.head_dim, page_size=self.page_size, **dts,
                                  layout=self.layout, group_size=group, family=family)
         if self.kind == "ragged":
-            return AttentionSpec(op="prefill", head_dim=self.head_dim, dtype=dt, kv="ragged", group_size=group,
+            return AttentionSpec(op="prefill", head_dim=self.head_dim, **dts, kv="ragged", group_size=group,
                                  mask="causal" if self.causal else "none", family=family)
-        return AttentionSpec(op="prefill", head_dim=self.head_dim, page_size=self.page_size, dtype=dt,
+        return AttentionSpec(op="prefill", head_dim=self.head_dim, page_size=self.page_size, **dts,
                              layout=self.layout, group_size=group, mask="causal" if self.causal else "none",
                              family=family)
 
@@ -149,7 +153,39 @@ DECODE = [
     replace(_D, name="decode-p528-split-forced", page_size=528, kv_lens=DEC_MED, split="force"),
     replace(_D, name="decode-p1024", page_size=1024, kv_lens=DEC_MED),
 ]
-ALL = PAGED + RAGGED + DECODE
+# fp8 KV cache (issue 14 item 1): both formats x float / per-head tensor scales x fp16 / bf16 q over decode (split
+# auto, forced, off), paged and ragged prefill, GQA and MHA, page sizes 1, 5, 16, 48 (non-full last pages), HND
+FP8 = [
+    replace(_D, name="fp8-decode-e4m3", kv="e4m3"),
+    replace(_D, name="fp8-decode-e4m3-tensor-split-forced", kv="e4m3", scale="tensor", kv_lens=DEC_MED,
+            split="force"),
+    replace(_D, name="fp8-decode-e5m2-fp16-autosplit", kv="e5m2", dtype=F16, kv_lens=DEC_MED),
+    replace(_D, name="fp8-decode-e5m2-tensor-nosplit-mha", kv="e5m2", scale="tensor", heads=(8, 8), kv_lens=DEC_MED,
+            split="off"),
+    replace(_D, name="fp8-decode-e4m3-fp16-tensor-p1", kv="e4m3", dtype=F16, scale="tensor", page_size=1,
+            kv_lens=DEC_MED),
+    replace(_D, name="fp8-decode-e5m2-p5-hnd-split-forced", kv="e5m2", page_size=5, layout="HND", kv_lens=DEC_MED,
+            split="force"),
+    replace(_D, name="fp8-decode-e4m3-d64-mha-fp16", kv="e4m3", head_dim=64, heads=(8, 8), dtype=F16),
+    replace(_D, name="fp8-decode-e4m3-d256-tensor", kv="e4m3", head_dim=256, scale="tensor", kv_lens=DEC_MED),
+    replace(_D, name="fp8-decode-e4m3-128k", kv="e4m3", kv_lens=DEC_LONG),
+    replace(_D, name="fp8-decode-e5m2-g8-many", kv="e5m2", heads=(64, 8), kv_lens=DEC_MANY),
+    replace(_P, name="fp8-paged-e4m3", kv="e4m3"),
+    replace(_P, name="fp8-paged-e4m3-tensor-fp16-split-forced", kv="e4m3", scale="tensor", dtype=F16, split="force"),
+    replace(_P, name="fp8-paged-e5m2-noncausal", kv="e5m2", causal=False),
+    replace(_P, name="fp8-paged-e5m2-tensor-fp16-p1-mha", kv="e5m2", scale="tensor", dtype=F16, page_size=1,
+            heads=(8, 8)),
+    replace(_P, name="fp8-paged-e4m3-p48-hnd", kv="e4m3", page_size=48, layout="HND"),
+    replace(_P, name="fp8-paged-e4m3-d64-tensor", kv="e4m3", head_dim=64, scale="tensor"),
+    replace(_P, name="fp8-paged-e5m2-d256-fp16", kv="e5m2", head_dim=256, dtype=F16),
+    replace(_P, name="fp8-paged-e4m3-long-autosplit", kv="e4m3", qo_lens=LONG_QO, kv_lens=LONG_KV),
+    replace(_R, name="fp8-ragged-e4m3", kv="e4m3"),
+    replace(_R, name="fp8-ragged-e5m2-tensor-fp16-noncausal", kv="e5m2", scale="tensor", dtype=F16, causal=False),
+    replace(_R, name="fp8-ragged-e4m3-tensor-mha-split-forced", kv="e4m3", scale="tensor", heads=(16, 16),
+            split="force"),
+    replace(_R, name="fp8-ragged-e5m2-d64", kv="e5m2", head_dim=64),
+]
+ALL = PAGED + RAGGED + DECODE + FP8
 # every case on each of its families: the matrix the GPU tests run
 MATRIX = [(c, f) for c in ALL for f in c.families]
 # the sm90 family's other tile configurations (attnjit tune picks among them) on a few cases
@@ -169,6 +205,13 @@ EXTRA_SPECS = [
     AttentionSpec(op="prefill", head_dim=128, dtype="bf16", kv="ragged", group_size=4, mask="none"),
     AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="causal"),
     AttentionSpec(op="prefill", head_dim=128, dtype="fp16", kv="ragged", group_size=1, mask="none"),
+] + [  # tests/gpu/test_fp8.py: append into fp8 caches, the scale tests, single-request helpers, a 16-bit plan's scales
+    AttentionSpec(op="append_kv", head_dim=128, page_size=ps, dtype_kv=kv, layout=lay)
+    for ps, kv, lay in ((16, "e4m3", "NHD"), (5, "e5m2", "HND"))
+] + [
+    AttentionSpec(op="prefill", head_dim=128, dtype_q="bf16", dtype_kv="e4m3", kv="ragged", group_size=4, mask="none"),
+    AttentionSpec(op="prefill", head_dim=128, dtype_q="bf16", dtype_kv="e4m3", kv="ragged", group_size=4,
+                  mask="causal"),
 ]
 
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import attnjit
-from attnjit import reference
+from attnjit import dtypes, reference
 
-from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, page_tables, poisoned
+from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, page_tables, poisoned,
+                       quantize, quantize_cache)
 from .cases import BACKEND, MATRIX, TILE_MATRIX, Case
 
 DEV = "cuda"
@@ -31,39 +32,54 @@ def _cache_arg(cache: torch.Tensor, as_tuple: bool):
     return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
 
 
+def _fp8(case: Case) -> tuple[dict, dict]:
+    """An fp8 case's (plan kwargs, run and reference kwargs): the kv type and the scales; ({}, {}) otherwise."""
+    if case.kv is None:
+        return {}, {}
+    ks, vs = fp8_scales(case.scale, case.heads[1], DEV)
+    return {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
+
+
 def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None):
     hq, hkv = case.heads
     d = case.head_dim
+    kv_plan, scales = _fp8(case)
+    kv_dtype = dtypes.lookup(case.kv).torch if case.kv else None
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                                                     head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
                                                     offset=case.offset)
+        if kv_dtype is not None:
+            k, v = quantize(k, scales["k_scale"], 1, kv_dtype), quantize(v, scales["v_scale"], 1, kv_dtype)
         w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family], tile=tile)
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), hq, hkv, d, causal=case.causal, q_data_type=case.dtype,
-               **_split_kwargs(case))
+               **kv_plan, **_split_kwargs(case))
         out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
-        w.run(q, k, v, out=out, lse=lse)
-        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal)
+        w.run(q, k, v, out=out, lse=lse, **scales)
+        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal, **scales)
         return w, out, lse, ref_o, ref_lse
     qo_lens = (1,) * len(case.kv_lens) if case.kind == "decode" else case.qo_lens
     b = make_paged(qo_lens, case.kv_lens, page_size=case.page_size, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
                    dtype=case.dtype, layout=case.layout, device=DEV, shared_prefix=case.shared_prefix, seed=seed,
                    offset=case.offset)
     qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
-    cache = _cache_arg(b.cache, as_tuple=case.dtype == torch.float16)
+    full = b.cache if kv_dtype is None else quantize_cache(b.cache, scales["k_scale"], scales["v_scale"], case.layout,
+                                                          kv_dtype)
+    cache = _cache_arg(full, as_tuple=case.dtype == torch.float16)
     out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
     if case.kind == "decode":
         w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
-        w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **_split_kwargs(case))
+        w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **kv_plan,
+               **_split_kwargs(case))
     else:
         w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family],
                                                         tile=tile)
         w.plan(qo_t, kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, causal=case.causal, q_data_type=case.dtype,
-               **_split_kwargs(case))
-    w.run(b.q, cache, out=out, lse=lse)
-    ref_o, ref_lse = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+               **kv_plan, **_split_kwargs(case))
+    w.run(b.q, cache, out=out, lse=lse, **scales)
+    ref_o, ref_lse = reference.batch_paged(b.q, full, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                            page_size=case.page_size, causal=case.causal and case.kind != "decode",
-                                           layout=case.layout)
+                                           layout=case.layout, **scales)
     return w, out, lse, ref_o, ref_lse
 
 
@@ -73,7 +89,7 @@ def test_matches_reference(case: Case, family: str, workspace):
                                            family=family)
     torch.cuda.synchronize()
     assert w.last_plan["family"] == family and w._plan.spec == case.spec(family)
-    assert_close(out, ref_o, case.dtype)
+    assert_close(out, ref_o, torch.bfloat16 if case.kv else case.dtype)  # fp8: within the bf16 tolerance
     assert_lse_close(lse, ref_lse)
     decision = w.last_plan
     if case.split == "force" and max(case.kv_lens) > 128:

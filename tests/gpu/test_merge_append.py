@@ -92,8 +92,10 @@ def test_merge_states(n):
 
 @pytest.mark.parametrize("layout,page_size,dtype", [("NHD", 16, torch.bfloat16), ("NHD", 1, torch.float16),
                                                      ("HND", 16, torch.float16), ("HND", 8, torch.bfloat16),
-                                                     ("NHD", 48, torch.bfloat16), ("HND", 5, torch.float16)])
+                                                     ("NHD", 48, torch.bfloat16), ("HND", 5, torch.float16),
+                                                     ("NHD", 16, torch.float8_e4m3fn), ("HND", 5, torch.float8_e5m2)])
 def test_append_paged_kv_cache(layout, page_size, dtype):
+    """fp8 caches take fp8 tokens (16 elements per 16-byte copy); the comparison is bitwise."""
     gen = torch.Generator().manual_seed(page_size)
     seq_lens = [7, 1, 40, 16]          # KV length after the append
     append = [3, 1, 17, 16]            # new tokens per request
@@ -120,9 +122,11 @@ def test_append_paged_kv_cache(layout, page_size, dtype):
     assert b_idx.tolist() == ref_b and positions.tolist() == ref_pos
     attnjit.append_paged_kv_cache(k, v, b_idx, positions, cache, i32(kv_indices, DEV), i32(kv_indptr, DEV),
                                   i32(last, DEV), kv_layout=layout, check=True)
-    ref_k, ref_v = reference.append_paged_kv_cache(k, v, ref_b, ref_pos, before, kv_indices, kv_indptr,
-                                                   page_size=page_size, layout=layout)
-    assert torch.equal(cache[:, 0], ref_k) and torch.equal(cache[:, 1], ref_v)
+    as_bytes = (lambda t: t.view(torch.uint8)) if dtype.itemsize == 1 else (lambda t: t)  # noqa: E731
+    ref_k, ref_v = reference.append_paged_kv_cache(as_bytes(k), as_bytes(v), ref_b, ref_pos, as_bytes(before),
+                                                   kv_indices, kv_indptr, page_size=page_size, layout=layout)
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 (fp8 tensors compare as bytes)
+    assert torch.equal(bits(cache[:, 0]), bits(ref_k)) and torch.equal(bits(cache[:, 1]), bits(ref_v))
 
 
 def test_append_out_of_range_is_an_error_with_check_and_skipped_without():

@@ -1,0 +1,99 @@
+"""FP8 KV cache decode: issue 14 item 1's rows. ``python benchmarks/bench.py --only fp8`` runs them.
+
+Workload: the decode rows of bench.py (H_q 32, H_kv 8, head_dim 128, bf16 q and out, page_size 16, NHD, pages
+shuffled), with the cache in e4m3 (k_scale, v_scale Python floats, so nothing syncs). Timed in one process:
+  * attnjit bf16: the same batch over a bf16 cache (the baseline of the ratio);
+  * attnjit e4m3: BatchDecodeWithPagedKVCacheWrapper(kv_data_type=torch.float8_e4m3fn), run(k_scale=, v_scale=);
+  * FlashInfer e4m3, both of its decode paths: use_tensor_cores=True (its fa2 prefill module with an fp8 KV type)
+    and False (its CUDA-core decode module); the row compares against the faster.
+Figures: KV tokens/s (batch * kv_len / time), the fp8 / bf16 ratio of attnjit (target >= 1.8: the same TB/s of half
+the bytes) and TB/s of fp8 bytes read (batch * kv_len * H_kv * D * 2 (K and V) * 1 byte / time). Both libraries
+read the same quantized cache; max_diff_vs_flashinfer is their outputs' largest difference.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import torch
+
+H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
+FP8 = torch.float8_e4m3fn
+K_SCALE, V_SCALE = 1 / 48, 1 / 40   # the cache holds k / K_SCALE: unit-variance keys stay inside e4m3's range
+
+
+def _tables(batch: int, kv_len: int, seed: int = 0):
+    pages_per = -(-kv_len // PS)
+    total = batch * pages_per
+    ids = list(range(total))
+    random.Random(seed).shuffle(ids)
+    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
+    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    last = torch.full((batch,), kv_len - PS * (pages_per - 1), dtype=torch.int32, device="cuda")
+    return indptr, indices, last, total
+
+
+def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
+    import attnjit
+
+    for batch, kv_len in rows:
+        indptr, indices, last, total = _tables(batch, kv_len)
+        cache = torch.randn(total, 2, PS, H_KV, D, dtype=DT, device="cuda")
+        cache8 = torch.empty(cache.shape, dtype=FP8, device="cuda")
+        cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
+        cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+        q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
+        tokens = batch * kv_len
+        row = {"op": "decode fp8", "shape": f"{batch}x{kv_len}", "kv_dtype": "e4m3",
+               "fp8_bytes": tokens * H_KV * D * 2}
+        w16 = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+        w16.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
+        out16 = torch.empty_like(q)
+        row["attnjit_bf16_ms"] = time_ms(lambda: w16.run(q, cache, out=out16))
+        del cache
+        w8 = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+        w8.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=FP8)
+        out8 = torch.empty_like(q)
+        row["attnjit_ms"] = time_ms(lambda: w8.run(q, cache8, out=out8, k_scale=K_SCALE, v_scale=V_SCALE))
+        row["attnjit_plan"] = w8.last_plan
+        row["max_diff_vs_attnjit_bf16"] = (out8.float() - out16.float()).abs().max().item()  # quantization error
+        if fi is not None:
+            for tc in (True, False):
+                key = f"flashinfer_{'tc' if tc else 'cuda_cores'}"
+                try:
+                    fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=tc)
+                    fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=FP8)
+                    fout = torch.empty_like(q)
+                    row[f"{key}_ms"] = time_ms(lambda: fw.run(q, cache8, out=fout, k_scale=K_SCALE, v_scale=V_SCALE))
+                    row[f"max_diff_vs_{key}"] = (out8.float() - fout.float()).abs().max().item()
+                except Exception as exc:  # noqa: BLE001 (a module that was not prebuilt: say so, go on)
+                    row[f"{key}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            times = [row[k] for k in ("flashinfer_tc_ms", "flashinfer_cuda_cores_ms") if k in row]
+            if times:
+                row["flashinfer_ms"] = min(times)
+        for k in ("attnjit_bf16", "attnjit", "flashinfer"):
+            if f"{k}_ms" in row:
+                row[f"{k}_tokens_per_s"] = tokens / (row[f"{k}_ms"] * 1e-3)
+        row["fp8_over_bf16"] = row["attnjit_tokens_per_s"] / row["attnjit_bf16_tokens_per_s"]
+        row["attnjit_fp8_tbps"] = row["fp8_bytes"] / (row["attnjit_ms"] * 1e-3) / 1e12
+        results.append(row)
+        del cache8
+        torch.cuda.empty_cache()
+
+
+def table(rows) -> str:
+    lines = ["| shape | attnjit bf16 Mtok/s | attnjit e4m3 Mtok/s | e4m3 / bf16 | e4m3 TB/s | FlashInfer e4m3 Mtok/s "
+             "(tc / cuda cores) | attnjit / FlashInfer |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        f = r.get("flashinfer_tokens_per_s")
+        tc = r.get("flashinfer_tc_ms")
+        cc = r.get("flashinfer_cuda_cores_ms")
+        tokens = r["attnjit_tokens_per_s"] * r["attnjit_ms"] * 1e-3
+        paths = " / ".join(f"{tokens / (t * 1e-3) / 1e6:.0f}" if t else "-" for t in (tc, cc))
+        fi_s = f"{f / 1e6:.0f} ({paths})" if f else "-"
+        ratio = f"{r['attnjit_tokens_per_s'] / f:.2f}" if f else "-"
+        lines.append(f"| {r['shape']} | {r['attnjit_bf16_tokens_per_s'] / 1e6:.0f} | "
+                     f"{r['attnjit_tokens_per_s'] / 1e6:.0f} | {r['fp8_over_bf16']:.2f} | {r['attnjit_fp8_tbps']:.2f} | "
+                     f"{fi_s} | {ratio} |")
+    return "\n".join(lines)

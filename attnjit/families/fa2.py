@@ -70,7 +70,10 @@ class Tile:
     @property
     def smem(self) -> int:
         d = self.head_dim
-        pipe = 2 * self.stages * self.cta_kv * d * self.kv_bytes + (2 * self.cta_kv * d * 2 if self.kv_bytes == 1 else 0)
+        # fp8: the ring holds the bytes as stored, plus the 16-bit tile(s) they are converted into (one where warps
+        # split the kv tile and each converts its own rows of K, then of V; else K and V: fa2/traits.cuh)
+        dequant = (1 if self.warps_kv > 1 else 2) * self.cta_kv * d * 2 if self.kv_bytes == 1 else 0
+        pipe = 2 * self.stages * self.cta_kv * d * self.kv_bytes + dequant
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
         pages_per_tile = pages_per_tile_of(self.cta_kv, self.page_size) if self.page_size else 0
         page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
@@ -116,15 +119,25 @@ def wide_tile(head_dim: int, page_size: int) -> Tile:
                 min_blocks=2 if head_dim == 64 else 1)
 
 
+def fp8_tile(tile: Tile, kv_bytes: int) -> Tile:
+    """The tile for a cache of ``kv_bytes`` per element. fp8 where warps split the kv tile (decode): twice the
+    stages in flight (2S - 1 stages), so the same bytes are in flight as for 16-bit K/V (a memory-bound kernel needs
+    bytes, not tiles, in flight), in about the same shared memory (half-size stages plus one 16-bit tile)."""
+    if kv_bytes == 2:
+        return tile
+    stages = 2 * tile.stages - 1 if tile.warps_kv > 1 else tile.stages
+    return replace(tile, kv_bytes=kv_bytes, stages=stages)
+
+
 @functools.lru_cache(maxsize=512)
 def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     """Kernel instances a spec's module holds, narrowest first (memoized: plan() asks every step)."""
     page_size = spec.page_size or 0
     kv_bytes = dtypes.of(spec.dtype_kv).bytes
-    narrow = replace(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes=kv_bytes)
+    narrow = fp8_tile(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes)
     if spec.op == "decode":
         deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size)
-        return (narrow, replace(deep, kv_bytes=kv_bytes)) if deep else (narrow,)
+        return (narrow, fp8_tile(deep, kv_bytes)) if deep else (narrow,)
     wide = replace(wide_tile(spec.head_dim_qk, page_size), kv_bytes=kv_bytes)
     return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
 

@@ -14,7 +14,7 @@
 //
 // An fp8 cache (TKV of one byte) is copied as stored into a staging tile of rows of HEAD_DIM bytes (row r at
 // r * HEAD_DIM, unswizzled; the same 8 threads per row, each HEAD_DIM / 8 bytes: 8- or 16-byte copies), and
-// dequant_kv_tile converts a staged tile into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
+// dequant_rows converts a staged tile's rows into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/fp8.cuh"
@@ -275,26 +275,22 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   }
 }
 
-// Convert the staged fp8 K and V tiles (rows of HEAD_DIM bytes) into the 16-bit tiles k_dst / v_dst in the family's
-// swizzled layout, on LOAD_THREADS threads. A thread reads 8 bytes and writes one 16-byte chunk: 8 neighbouring
-// threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct banks).
-template <typename G>
-__device__ __forceinline__ void dequant_kv_tile(const uint8_t* k_src, const uint8_t* v_src, uint8_t* k_dst,
-                                                uint8_t* v_dst, unsigned tid) {
+// Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (rows of HEAD_DIM bytes) into the 16-bit tile `dst` in
+// the family's swizzled layout, on THREADS threads (tid < THREADS). A thread reads 8 bytes and writes one 16-byte
+// chunk: 8 neighbouring threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct
+// banks).
+template <typename G, int ROWS, int THREADS>
+__device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, int row0, unsigned tid) {
   using T = typename G::T;
   using TKV = typename G::TKV;
   constexpr int CH = G::HEAD_DIM / 8;  // 8-element chunks per row
-  static_assert((G::CTA_KV * CH) % G::LOAD_THREADS == 0, "every thread converts the same number of chunks");
-#pragma unroll 2
-  for (int n = 0; n < G::CTA_KV * CH / G::LOAD_THREADS; ++n) {
-    const int i = static_cast<int>(tid) + n * G::LOAD_THREADS;
-    const int r = i / CH, c = i % CH;
-    const int src = r * G::HEAD_DIM + c * 8;
-    const uint32_t dst = tile_offset<G::KV_PITCH, G::KV_STEP>(r, c);
-    const uint2 kr = *reinterpret_cast<const uint2*>(k_src + src);
-    const uint2 vr = *reinterpret_cast<const uint2*>(v_src + src);
-    *reinterpret_cast<uint4*>(k_dst + dst) = fp8x8_to<T, TKV>(kr);
-    *reinterpret_cast<uint4*>(v_dst + dst) = fp8x8_to<T, TKV>(vr);
+  static_assert((ROWS * CH) % THREADS == 0, "every thread converts the same number of chunks");
+#pragma unroll 4
+  for (int n = 0; n < ROWS * CH / THREADS; ++n) {
+    const int i = static_cast<int>(tid) + n * THREADS;
+    const int r = row0 + i / CH, c = i % CH;
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + r * G::HEAD_DIM + c * 8);
+    *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c)) = fp8x8_to<T, TKV>(raw);
   }
 }
 

@@ -101,8 +101,15 @@ struct AttentionCTA : WorkItem<Tr, P> {
     else return k_smem(stage);
   }
   __device__ __forceinline__ uint8_t* v_tile(int stage) const {
-    if constexpr (Tr::FP8_KV) return k_tile(stage) + Tr::KV_TILE_SMEM;
+    if constexpr (Tr::FP8_WARP_OWNED) return k_tile(stage);  // V replaces this warp's K rows after S = Q K^T
+    else if constexpr (Tr::FP8_KV) return k_tile(stage) + Tr::KV_TILE_SMEM;
     else return v_smem(stage);
+  }
+  // fp8, warps splitting the kv tile: this warp's rows of a staged tile into the 16-bit tile
+  __device__ __forceinline__ void dequant_own_rows(const uint8_t* staged, int stage) const {
+    __syncwarp();  // every lane is done reading the rows this overwrites
+    dequant_rows<Tr, Tr::WARP_COLS, 32>(staged, k_tile(stage), warp_kv * Tr::WARP_COLS, lane);
+    __syncwarp();
   }
 
   // fp8 KV: the value scale of this item's kv head (k_scale is folded into scale2), applied to the output
@@ -256,6 +263,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
   // O += P V
   __device__ __forceinline__ void pv(const float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], int stage,
                                      WarpState<Tr>& st) const {
+    if constexpr (Tr::FP8_WARP_OWNED) dequant_own_rows(v_smem(stage), stage);
     const uint32_t vs = smem_u32(v_tile(stage));
     // softmax row sums of this tile on the tensor cores (P x ones), from the same rounded P that multiplies V:
     // one mma per 16x16 block instead of an add per element, and every lane of a quad gets its rows' sums
@@ -491,12 +499,19 @@ struct AttentionCTA : WorkItem<Tr, P> {
       const int next = i + S - 1;
       if constexpr (Tr::FP8_KV) {
         // the next copies first (their stage was converted last iteration), then convert this stage into the
-        // 16-bit tiles, which compute_tile(i - 1) finished reading at the barrier above
+        // 16-bit tiles, which compute_tile(i - 1) finished reading at the barrier above (attnjit/fa2/traits.cuh:
+        // FP8_WARP_OWNED)
         if (next < num_tiles) issue_kv(next, next % S);
         if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
         cp_async_commit();
-        dequant_kv_tile<Tr>(k_smem(i % S), v_smem(i % S), k_tile(i % S), v_tile(i % S), threadIdx.x);
-        __syncthreads();
+        if constexpr (Tr::FP8_WARP_OWNED) {  // this warp's K rows (its V rows in pv())
+          dequant_own_rows(k_smem(i % S), i % S);
+          if constexpr (V::HAS_KEY_TRANSFORM) __syncthreads();  // the transform below reads every warp's rows
+        } else {
+          dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS>(k_smem(i % S), k_tile(i % S), 0, threadIdx.x);
+          dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS>(v_smem(i % S), v_tile(i % S), 0, threadIdx.x);
+          __syncthreads();
+        }
       }
       if constexpr (V::HAS_KEY_TRANSFORM) {  // K(i) is resident in every thread's view: transform it in place
         transform_k_tile<Tr>(*this, k_tile(i % S), kv_begin + i * Tr::CTA_KV, threadIdx.x, Tr::NUM_THREADS);

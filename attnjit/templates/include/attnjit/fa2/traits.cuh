@@ -43,7 +43,12 @@ struct AttentionTraits {
   static constexpr int KV_ELEM_BYTES = static_cast<int>(sizeof(TKV));
   static constexpr bool FP8_KV = KV_ELEM_BYTES == 1;
   static constexpr int KV_STAGE_SMEM = CTA_KV * HEAD_DIM * KV_ELEM_BYTES;  // one of K or V, one stage, as stored
-  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_STAGE_SMEM + (FP8_KV ? 2 * KV_TILE_SMEM : 0);
+  // Where warps split the kv tile (NUM_WARPS_KV > 1: decode), each warp reads only its own WARP_COLS rows of K and
+  // V, so each converts its own rows, K before S = Q K^T and then V into the same 16-bit tile before O += P V, with
+  // __syncwarp only; otherwise (every warp reads every row) the CTA converts K and V into two tiles behind a barrier
+  static constexpr bool FP8_WARP_OWNED = FP8_KV && NUM_WARPS_KV > 1;
+  static constexpr int DEQUANT_SMEM = FP8_KV ? (FP8_WARP_OWNED ? 1 : 2) * KV_TILE_SMEM : 0;
+  static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_STAGE_SMEM + DEQUANT_SMEM;
   // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
   // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
   static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;

@@ -219,6 +219,17 @@ def sweep_decode(rows) -> list[dict]:
     return _sweep_tiles("narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
 
+# The deep decode tile (batches that cannot fill the GPU) tried by --deep-sweep, the current one first
+SWEEP_DEEP = [(1, 4, 1, 1, 4, 1, "deep"), (1, 4, 1, 1, 5, 1, "deep"), (1, 4, 1, 1, 6, 1, "deep"),
+              (1, 8, 1, 1, 3, 1, "deep"), (1, 8, 1, 1, 2, 1, "deep"), (1, 4, 1, 2, 3, 1, "deep"),
+              (1, 4, 1, 1, 3, 2, "deep")]
+SMALL_DECODE_ROWS = [(1, 32768), (16, 4096), (4, 16384)]
+
+
+def sweep_deep(rows) -> list[dict]:
+    return _sweep_tiles("deep_decode_tile", SWEEP_DEEP, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
+
+
 def sweep_prefill(rows) -> list[dict]:
     return _sweep_tiles("wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False, families=("fa2",)),
                         "attnjit_fa2_tflops", 1)
@@ -303,7 +314,13 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
     ap.add_argument("--order-sweep", action="store_true", help="time prefill work orders (sweep_order)")
+    ap.add_argument("--deep-sweep", action="store_true", help="time the deep decode tile variants in SWEEP_DEEP")
     args = ap.parse_args()
+    if args.deep_sweep:
+        rows = sweep_deep(SMALL_DECODE_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.order_sweep:
         rows = sweep_order(PREFILL_ROWS)
         if args.json:

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
-from benchmarks import cascade, prefill  # noqa: E402
+from benchmarks import cascade, pagesize, prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
@@ -304,9 +304,21 @@ def table(results, copy_tbps: float) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("decode", "prefill", "variants", "cascade", "pagesize")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(filter(None, (x.strip() for x in text.split(","))))
+    bad = [n for n in names if n not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decode", "prefill", "variants", "cascade"])
+    ap.add_argument("--only", type=_sections, default=None,
+                    help=f"comma-separated sections to run ({', '.join(SECTIONS)}); default: decode, prefill, variants")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
@@ -345,17 +357,22 @@ def main() -> int:
     prefill_rows: list[dict] = []
     variant_rows: list[dict] = []
     cascade_rows: list[dict] = []
-    if args.only == "cascade":
+    only = args.only or ("decode", "prefill", "variants")
+    page_rows: list[dict] = []
+    if "pagesize" in only:
+        pagesize.bench_page_sizes(fi, page_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(pagesize.table(page_rows), flush=True)
+    if "cascade" in only:
         cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
         print(cascade.table(cascade_rows), flush=True)
-    if args.only in (None, "decode"):
+    if "decode" in only:
         bench_decode(fi, DECODE_ROWS, decode_rows)
         print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
-    if args.only in (None, "prefill"):
+    if "prefill" in only:
         rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
         prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
-    if args.only in (None, "variants"):
+    if "variants" in only:
         prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -365,6 +382,8 @@ def main() -> int:
         doc = {"meta": meta, "decode": decode_rows, "prefill": prefill_rows, "variants": variant_rows}
         if cascade_rows:
             doc["cascade"] = cascade_rows
+        if page_rows:
+            doc["pagesize"] = page_rows
         Path(args.json).write_text(json.dumps(doc, indent=1))
     print(json.dumps(meta))
     if decode_rows:
@@ -373,6 +392,8 @@ def main() -> int:
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]))
     if cascade_rows:
         print(cascade.table(cascade_rows))
+    if page_rows:
+        print(pagesize.table(page_rows))
     if variant_rows:
         print(prefill.variant_table([r for r in variant_rows if r["op"] == "prefill variants"]))
         print(variant_table([r for r in variant_rows if r["op"] != "prefill variants"]))

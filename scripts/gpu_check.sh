@@ -155,11 +155,12 @@ fi
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side
   setup_flashinfer
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do
+  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do   # BxL (prefill) or decode:BxL
+    op=prefill; case $shape in decode:*) op=decode; shape=${shape#decode:};; esac
     for who in attnjit flashinfer; do
-      k="attnjit_(attention|sm90)"; [ $who = flashinfer ] && k=Prefill
-      "$ncu" --clock-control none -k regex:$k --launch-skip 2 --launch-count 1 --set full --import-source yes \
-        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py prefill $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
+      k="attnjit_(attention|sm90)"; [ $who = flashinfer ] && k="Prefill|Decode"
+      "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \
+        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py $op $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page source --csv --print-source sass >"/tmp/src-$who-$shape.csv" 2>&1
       python3 benchmarks/ncu_source.py "/tmp/src-$who-$shape.csv" 30 >"$OUT/stalls-$who-$shape.txt" 2>&1

@@ -162,6 +162,32 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
     return {"op": "dispatch", **{n: timed(f, cuda=True, rounds=9, calls=200)["min_us"] for n, f in calls.items()}}
 
 
+def upload_rows(dev: str) -> list[dict]:
+    """The metadata upload alone (``MetadataBuffers.upload``) for the decode plans above, plain and graph mode. On a
+    machine without a GPU it runs with a CPU "device" (the code a GPU plan runs, minus pinned memory and the
+    driver's copy): its figure is the Python of the upload only."""
+    from attnjit.ops._upload import MetadataBuffers
+
+    rows = []
+    device = torch.device(dev)
+    for batch in (1, 256):
+        meta = metadata(batch, "decode", "cpu")
+        w, fn = planner("attnjit", "decode", torch.empty(64 << 20, dtype=torch.uint8, device=dev), meta)
+        fn()
+        work, used = w._plan.work, int(meta["indptr"][-1])
+        row = {"op": "upload", "batch": batch}
+        for graph in (False, True):
+            buffers = MetadataBuffers(device, graph, None)
+
+            def up(buffers=buffers):
+                buffers.upload(work.records, num_groups=work.num_groups, num_kv_heads=H_KV, page_ids=meta["indices"],
+                               used=used, keep=[])
+            row["graph" if graph else "plain"] = timed(up, cuda=dev == "cuda")["min_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -207,12 +233,13 @@ def main() -> dict:
             row["fast_plan"] = timed(lambda: w.fast_plan(meta["indptr"], meta["indices"], meta["last"]), cuda=cuda)
         fast.append(row)
         print(json.dumps(row), flush=True)
+    uploads = upload_rows(dev)
     dispatch = dispatch_overhead(cuda, dev)
     print(json.dumps(dispatch), flush=True)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
                       "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
-           "dispatch": dispatch}
+           "upload": uploads, "dispatch": dispatch}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

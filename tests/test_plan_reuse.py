@@ -1,0 +1,109 @@
+"""What plan() reuses across calls, held to what a fresh start gives: the staging buffers of the upload (never
+rewritten while a copy from them may be in flight; the event logic runs here with a fake event), the per-key memo of
+the kernel, occupancy, launch and parameter struct (a re-plan on the same wrapper = a plan on a fresh one), and the
+graph-mode fixed buffers."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from attnjit.ops._upload import MetadataBuffers, Staging
+from tests.helpers import i32
+
+
+class InFlight:
+    """A copy's event that completes only when the test says so (a CUDA event, as the upload sees one)."""
+
+    made: list["InFlight"] = []
+
+    def __init__(self):
+        self.done = True   # a fresh event has recorded nothing: nothing to wait for
+        InFlight.made.append(self)
+
+    def record(self):
+        self.done = False
+
+    def query(self):
+        return self.done
+
+
+def _work(n: int, start: int = 0) -> np.ndarray:
+    return (start + np.arange(n * 12, dtype=np.int32)).reshape(n, 12)
+
+
+def _upload(meta, records, ids, keep):
+    return meta.upload(records, num_groups=1, num_kv_heads=2, page_ids=ids, used=ids.numel(), keep=keep)
+
+
+def test_staging_is_not_rewritten_while_its_copy_is_in_flight():
+    InFlight.made.clear()
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=False, max_work_items=None, new_event=InFlight)
+    keep_a: list = []
+    _upload(meta, _work(3), i32([7, 8, 9]), keep_a)
+    (a,) = meta.staging
+    staged_a = a.host[:4 + 36 + 2 + 3].copy()
+    assert staged_a[:4].tolist() == [3, 0, 0, 0] and staged_a[-3:].tolist() == [7, 8, 9]
+    # a's copy is still in flight: the next plan stages elsewhere and a's bytes stay as they were
+    keep_b: list = []
+    _upload(meta, _work(5, 1000), i32([1, 2]), keep_b)
+    assert len(meta.staging) == 2 and meta.staging[0] is a
+    b = meta.staging[1]
+    assert a.host[:len(staged_a)].tolist() == staged_a.tolist()
+    # both in flight: a third plan takes a buffer of its own, the kept two are untouched
+    _upload(meta, _work(1, 5000), i32([4]), [])
+    assert meta.staging == [a, b] and a.host[:len(staged_a)].tolist() == staged_a.tolist()
+    # every plan's device copy holds its own metadata
+    assert keep_a[0].tolist() == staged_a.tolist()
+    assert keep_b[0][:4].tolist() == [5, 0, 0, 0] and keep_b[0][4:64].tolist() == list(range(1000, 1060))
+    assert keep_b[0][-2:].tolist() == [1, 2]
+    # a's copy completes: a is reused (not a new buffer), and so is b once its copy has run
+    a.event.done = True
+    _upload(meta, _work(2, 7), i32([3, 3]), [])
+    assert meta.staging == [a, b] and a.host[:4].tolist() == [2, 0, 0, 0]
+    b.event.done = True
+    _upload(meta, _work(2, 9), i32([5]), [])
+    assert meta.staging == [a, b] and b.host[:4].tolist() == [2, 0, 0, 0]
+
+
+def test_staging_grows_only_a_buffer_whose_copy_has_run():
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=False, max_work_items=None, new_event=InFlight)
+    _upload(meta, _work(1), i32([1]), [])
+    small = meta.staging[0]
+    small.event.done = True
+    keep: list = []
+    big = _work(200)
+    _upload(meta, big, i32(list(range(500))), keep)
+    (grown,) = meta.staging
+    assert grown is not small and grown.size >= 4 + big.size + 2 + 500
+    assert keep[0][4:4 + big.size].tolist() == big.reshape(-1).tolist()
+    assert keep[0][-500:].tolist() == list(range(500))
+    # a CUDA device gets pinned buffers and CUDA events; a CPU "device" neither (its copies are synchronous)
+    assert not Staging(8, False, None).tensor.is_pinned() and Staging(8, False, None).free()
+
+
+def test_graph_mode_keeps_one_allocation_for_its_own_page_ids():
+    """The wrapper's own page-id buffer lies in the metadata allocation (host page ids: one copy); an engine's
+    buffer stays the engine's. Either way every plan's regions hold what it planned and the addresses stay."""
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=True, max_work_items=None, new_event=InFlight)
+    p1 = _upload(meta, _work(3), i32([4, 5, 6]), [])
+    fixed, ids = meta.fixed_meta, meta.fixed_page_ids
+    assert ids.data_ptr() == fixed.data_ptr() + 4 * meta.ids_at and meta.ids_at % 4 == 0
+    assert p1["kv_indices"] == ids.data_ptr() and ids[:3].tolist() == [4, 5, 6]
+    at_tickets = 4 + 12 * meta.caps[0]
+    assert fixed[at_tickets:at_tickets + 2].tolist() == [0, 0]
+    fixed[at_tickets] = 9  # a kernel took a ticket; the next plan must start them at zero again
+    p2 = _upload(meta, _work(2, 100), i32([1, 2]), [])   # the first staging buffer is in flight: the other one
+    assert p2 == p1 and fixed[:4].tolist() == [2, 0, 0, 0] and fixed[4:28].tolist() == list(range(100, 124))
+    assert fixed[at_tickets:at_tickets + 2].tolist() == [0, 0] and ids[:2].tolist() == [1, 2]
+    device_ids = i32([8, 9, 10])   # page ids "on the device": copied into the fixed buffer
+    p3 = _upload(meta, _work(1, 50), device_ids, [])   # both in flight: a one-off staging buffer
+    assert p3 == p1 and ids[:3].tolist() == [8, 9, 10] and fixed[4:16].tolist() == list(range(50, 62))
+    engine = torch.zeros(16, dtype=torch.int32)
+    other = MetadataBuffers(torch.device("cpu"), use_cuda_graph=True, max_work_items=None, new_event=InFlight)
+    other.fixed_page_ids = engine
+    q1 = _upload(other, _work(2), i32([3, 1]), [])
+    assert other.ids_at is None and q1["kv_indices"] == engine.data_ptr() and engine[:2].tolist() == [3, 1]
+    engine[:3] = i32([5, 6, 7])   # the engine writes the page ids in place (FlashInfer's pattern)
+    assert _upload(other, _work(2), engine[:3], [])["kv_indices"] == engine.data_ptr()
+    assert engine[:3].tolist() == [5, 6, 7]

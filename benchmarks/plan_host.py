@@ -93,7 +93,7 @@ def step_timers(totals: dict):
     targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
                (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
-               (_wrapper._AttentionWrapper, "_prepare_launch", "launch setup"),
+               (_wrapper._AttentionWrapper, "_fill_launch", "launch setup"),
                (_wrapper, "spec_for", "spec + variant"), (_wrapper._AttentionWrapper, "_bind", "spec + variant")]
     saved = []
     for owner, attr, label in targets:

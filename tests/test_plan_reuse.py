@@ -6,6 +6,7 @@ graph-mode fixed buffers."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from attnjit.ops._upload import MetadataBuffers, Staging
@@ -107,3 +108,89 @@ def test_graph_mode_keeps_one_allocation_for_its_own_page_ids():
     engine[:3] = i32([5, 6, 7])   # the engine writes the page ids in place (FlashInfer's pattern)
     assert _upload(other, _work(2), engine[:3], [])["kv_indices"] == engine.data_ptr()
     assert engine[:3].tolist() == [5, 6, 7]
+
+
+# --- the per-key memo: a re-plan on one wrapper = a plan on a fresh wrapper --------------------------------------
+
+def _batch(rng, kind: str):
+    batch = rng.randint(1, 300) if rng.random() < 0.3 else rng.randint(1, 12)
+    kv = [rng.randint(0 if kind == "decode" else 1, 5000) for _ in range(batch)]
+    qo = [1] * batch if kind == "decode" else [rng.randint(0, min(k, 300)) for k in kv]
+    qo_indptr, kv_indptr, pages = [0], [0], [0]
+    for q, k in zip(qo, kv):
+        qo_indptr.append(qo_indptr[-1] + q)
+        kv_indptr.append(kv_indptr[-1] + k)
+        pages.append(pages[-1] + -(-k // 16))
+    last = [k - 16 * (-(-k // 16) - 1) if k else 0 for k in kv]
+    ids = i32(rng.sample(range(pages[-1] + 10), pages[-1]))
+    return dict(qo_indptr=i32(qo_indptr), kv_indptr=i32(kv_indptr), pages=i32(pages), last=i32(last), ids=ids)
+
+
+def _options(rng, kind: str) -> dict:
+    """Scalar options that change the plan key (heads, scale, split, variants) or not (window, soft-cap values)."""
+    hkv = rng.choice([1, 2, 8])
+    opts = dict(num_qo_heads=hkv * rng.choice([1, 4, 8]), num_kv_heads=hkv, q_data_type=torch.bfloat16)
+    if rng.random() < 0.3:
+        opts["sm_scale"] = rng.choice([0.05, 0.125])
+    if rng.random() < 0.3:
+        opts["logits_soft_cap"] = rng.choice([30.0, 50.0])
+    if rng.random() < 0.2:
+        opts["window_left"] = rng.choice([64, 1000])
+    if rng.random() < 0.2:
+        opts["pos_encoding_mode"] = "ALIBI"
+    if rng.random() < 0.2:
+        opts["fixed_split_size"] = rng.choice([256, 1000])
+    if rng.random() < 0.2:
+        opts["disable_split_kv"] = True
+    if kind != "decode":
+        opts["causal"] = rng.random() < 0.7
+    return opts
+
+
+def _args(kind: str, b: dict, opts: dict) -> dict:
+    if kind == "decode":
+        return dict(indptr=b["pages"], indices=b["ids"], last_page_len=b["last"], head_dim=128, page_size=16, **opts)
+    if kind == "paged":
+        return dict(qo_indptr=b["qo_indptr"], paged_kv_indptr=b["pages"], paged_kv_indices=b["ids"],
+                    paged_kv_last_page_len=b["last"], head_dim_qk=128, page_size=16, **opts)
+    return dict(qo_indptr=b["qo_indptr"], kv_indptr=b["kv_indptr"], head_dim_qk=128, **opts)
+
+
+def _state(plan) -> tuple:
+    return (plan.spec, plan.work.tile, plan.work.records.tolist(), plan.work.chunk, plan.work.num_groups,
+            plan.work.num_slots, plan.decision(), plan.attn_values, plan.variant_slots, plan.sched, plan.settings,
+            plan.max_page, plan.total_kv, plan.q_shape, sorted(plan.binding.bound))
+
+
+@pytest.mark.parametrize("kind", ["decode", "paged", "ragged"])
+def test_a_replan_on_one_wrapper_is_a_fresh_plan(kind, monkeypatch):
+    """Random plans on one wrapper (other metadata; other heads, scales and variants: other keys) each give what
+    a fresh wrapper plans, so nothing a key memoized leaks into another key's plans; the SM count a CPU plan
+    assumes (ATTNJIT_NUM_SMS) is part of the key."""
+    import random
+
+    from tests.plan_support import WRAPPERS, workspace
+
+    rng = random.Random(13)
+    make, _ = WRAPPERS[kind]
+    w = make(workspace())
+    seen = set()
+    for step in range(60):
+        if step == 40:
+            monkeypatch.setenv("ATTNJIT_NUM_SMS", "16")
+        opts = _options(rng, kind) if step % 3 else dict(num_qo_heads=32, num_kv_heads=8,
+                                                         q_data_type=torch.bfloat16, causal=True)
+        if kind == "decode":
+            opts.pop("causal", None)
+        args = _args(kind, _batch(rng, kind), opts)
+        outcome = []
+        for wrapper in (w, make(workspace())):
+            try:
+                wrapper.plan(**args)
+                outcome.append(_state(wrapper._plan))
+            except ValueError as exc:  # too many partial states for the workspace: the same error both times
+                outcome.append(str(exc))
+        assert outcome[0] == outcome[1], (step, opts)
+        if not isinstance(outcome[0], str):
+            seen.add((w._plan.spec, w._plan.work.tile))
+    assert len(w._prepared) >= len(seen) > 4   # several keys were memoized side by side

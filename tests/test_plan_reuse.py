@@ -194,3 +194,28 @@ def test_a_replan_on_one_wrapper_is_a_fresh_plan(kind, monkeypatch):
         if not isinstance(outcome[0], str):
             seen.add((w._plan.spec, w._plan.work.tile))
     assert len(w._prepared) >= len(seen) > 4   # several keys were memoized side by side
+
+
+# --- device metadata: one device-to-host copy, the page-id range reduced where the ids lie -----------------------
+
+def test_the_masked_page_range_is_the_range_of_the_used_ids():
+    """masked_range (what plan() computes on the device when indptr is there too) = min/max of indices[:end],
+    whatever lies past end (negative garbage included)."""
+    import random
+
+    from attnjit.ops import planner
+
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randint(1, 3000)
+        ids = [rng.randint(0, 10 ** 6) for _ in range(n)]
+        end = rng.randint(1, n)
+        ids[end:] = [rng.randint(-(2 ** 31), 2 ** 31 - 1) for _ in range(n - end)]
+        lo, hi = planner.masked_range(i32(ids), i32([0, end])[-1])
+        assert (int(lo), int(hi)) == (min(ids[:end]), max(ids[:end]))
+    assert planner.device_page_range(i32([]), i32([0, 0])) is None
+    assert planner.device_page_range(i32([5]), i32([])) is None
+    assert planner.device_page_range(i32([5, -1]), i32([0, 0])) is None   # nothing used: nothing to range
+    lo, hi = planner.device_page_range(i32([5, 2, -1]), i32([0, 2]))      # host indptr: the used part only
+    assert (int(lo), int(hi)) == (2, 5)
+

@@ -421,17 +421,19 @@ class _PagedMixin:
                 raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
             P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
             P.check_meta(n_indices, indices, dev)
-            kvp, last = P.to_host(indptr, last_page_len)
+            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
+            kvp, last, *rng = P.to_host(indptr, last_page_len, *(rng or ()))  # one copy of all device metadata
             qo = np.arange(indptr.numel(), dtype=np.int64)
         else:  # qo_indptr is read (and checked) first: it says how long the others must be
             for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices),
                             (n_last, last_page_len)):
                 P.check_meta(name, t, dev)
-            qo_h, kvp, last = P.to_host(qo_indptr, indptr, last_page_len)
+            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
+            qo_h, kvp, last, *rng = P.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
             qo = P.read_qo_indptr("qo_indptr", qo_h)
             P.check_meta(n_indptr, indptr, dev, len(qo))
             P.check_meta(n_last, last_page_len, dev, len(qo) - 1)
-        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size)
+        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size, page_range=rng or None)
 
 
 _PAGED_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")

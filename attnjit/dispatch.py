@@ -286,6 +286,18 @@ def module(spec: AttentionSpec, device, cache: Cache | None = None) -> Module:
     return mod
 
 
+_module_memos: list[dict] = []
+
+
+def module_memo() -> dict:
+    """A dict an op keeps of things made from loaded modules (its Launches): clear_memory() empties it too."""
+    memo: dict = {}
+    _module_memos.append(memo)
+    return memo
+
+
 def clear_memory() -> None:
-    """Forget loaded modules (tests; a process that changed its cache)."""
+    """Forget loaded modules, and what ops made from them (tests; a process that changed its cache)."""
     _modules.clear()
+    for memo in _module_memos:
+        memo.clear()

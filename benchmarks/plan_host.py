@@ -188,6 +188,47 @@ def upload_rows(dev: str) -> list[dict]:
     return rows
 
 
+def merge_rows() -> dict:
+    """Host us of the eager merge_state / merge_states / merge_state_in_place Python before their launch, on the
+    CPU: [16, 32, 128] bf16 states; the GPU check, the module (its lookup is still made) and the launch are
+    stand-ins that do nothing but pack the parameter struct (on a GPU host dispatch_overhead times the real call)."""
+    from attnjit.ops import merge
+
+    gen = torch.Generator().manual_seed(0)
+    va, vb = (torch.randn(16, H_Q, D, generator=gen).to(DT) for _ in range(2))
+    sa, sb = (torch.randn(16, H_Q, generator=gen) for _ in range(2))
+    vm, sm = torch.randn(16, 2, H_Q, D, generator=gen).to(DT), torch.randn(16, 2, H_Q, generator=gen)
+    from attnjit import dispatch
+    from attnjit.generator import PARAMS
+
+    class FakeLaunch:  # packs the struct as a Launch does, launches nothing
+        def __init__(self, op, kernel, grid):
+            self.grid, self.struct = grid, kernel
+
+        def __call__(self, values):
+            self.struct.pack(*values)
+
+    class FakeModule:
+        key, device_index = "stand-in", 0
+        kernels = {"attnjit_merge_state": PARAMS["merge_two"].struct, "attnjit_merge_states": PARAMS["merge_many"].struct}
+
+    saved = merge.require_cuda, dispatch.module, dispatch.device_arch, dispatch.Launch
+    merge.require_cuda = lambda *a: None
+    dispatch.module, dispatch.device_arch, dispatch.Launch = (lambda *a: FakeModule), (lambda d: "sm_90a"), FakeLaunch
+    dispatch.clear_memory()
+    try:
+        calls = {"merge_state": lambda: merge.merge_state_eager(va, sa, vb, sb),
+                 "merge_state_in_place": lambda: merge.merge_state_in_place_eager(va, sa, vb, sb),
+                 "merge_states": lambda: merge.merge_states_eager(vm, sm)}
+        row = {"op": "merge (python before the launch)",
+               **{n: timed(f, rounds=9, calls=500)["min_us"] for n, f in calls.items()}}
+    finally:
+        merge.require_cuda, dispatch.module, dispatch.device_arch, dispatch.Launch = saved
+        dispatch.clear_memory()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -234,12 +275,13 @@ def main() -> dict:
         fast.append(row)
         print(json.dumps(row), flush=True)
     uploads = upload_rows(dev)
+    merges = None if cuda else merge_rows()
     dispatch = dispatch_overhead(cuda, dev)
     print(json.dumps(dispatch), flush=True)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
                       "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
-           "upload": uploads, "dispatch": dispatch}
+           "upload": uploads, "merge": merges, "dispatch": dispatch}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -219,3 +219,67 @@ def test_the_masked_page_range_is_the_range_of_the_used_ids():
     lo, hi = planner.device_page_range(i32([5, 2, -1]), i32([0, 2]))      # host indptr: the used part only
     assert (int(lo), int(hi)) == (2, 5)
 
+
+
+# --- merge_state's eager path: one memo lookup, the parameter struct in PARAMS' order -----------------------------
+
+def test_merge_struct_and_launch_memo(monkeypatch):
+    """The struct merge_state(s) fill by position = PARAMS' fields by name, for strided views too; one Launch set per
+    (dtype, head_dim, device), forgotten by dispatch.clear_memory() with the modules."""
+    from attnjit import dispatch
+    from attnjit.generator import PARAMS
+    from attnjit.ops import merge
+
+    made = []
+
+    class Launch:
+        def __init__(self, op, kernel, grid):
+            self.kernel, self.grid = kernel, grid
+            made.append(self)
+
+        def __call__(self, values):
+            self.values = values
+
+    class Module:
+        kernels = {"attnjit_merge_state": "two", "attnjit_merge_states": "many"}
+
+    monkeypatch.setattr(merge, "require_cuda", lambda *a: None)
+    monkeypatch.setattr(dispatch, "module", lambda spec, device: Module)
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(dispatch, "Launch", Launch)
+    dispatch.clear_memory()
+    try:
+        table = torch.randn(7, 3, 40, 64).to(torch.bfloat16)
+        va, vb = table[:, 0, :32], table[:, 2, 8:]            # [7, 32, 64] views, strides (7680, 64, 1)
+        sa, sb = torch.randn(32, 7).t(), torch.randn(7, 32)  # any lse view
+        v, s = merge.merge_state_eager(va, sa, vb, sb)
+        two = next(m for m in made if m.kernel == "two")
+        want = PARAMS["merge_two"].values(
+            v_a=va.data_ptr(), lse_a=sa.data_ptr(), v_b=vb.data_ptr(), lse_b=sb.data_ptr(), v_out=v.data_ptr(),
+            lse_out=s.data_ptr(), mask=0, num_rows=7, num_heads=32, v_a_stride_n=va.stride(0),
+            v_a_stride_h=va.stride(1), v_b_stride_n=vb.stride(0), v_b_stride_h=vb.stride(1),
+            v_out_stride_n=v.stride(0), v_out_stride_h=v.stride(1), lse_a_stride_n=sa.stride(0),
+            lse_a_stride_h=sa.stride(1), lse_b_stride_n=sb.stride(0), lse_b_stride_h=sb.stride(1),
+            lse_out_stride_n=s.stride(0), lse_out_stride_h=s.stride(1))
+        assert two.values == want and two.grid == (-(-7 * 32 * 8 // 128), 1, 1)
+        mask = torch.ones(7, dtype=torch.bool)
+        merge.merge_state_in_place_eager(va, sa, vb, sb, mask)
+        assert two.values[:7] == [va.data_ptr(), sa.data_ptr(), vb.data_ptr(), sb.data_ptr(), va.data_ptr(),
+                                  sa.data_ptr(), mask.data_ptr()]
+        vm, sm = table[:, :2, :16].transpose(0, 1), torch.randn(2, 7, 16)   # [2 rows, 7 states, 16 heads, 64]
+        out, lse = merge.merge_states_eager(vm, sm)
+        many = next(m for m in made if m.kernel == "many")
+        assert many.values == PARAMS["merge_many"].values(
+            v=vm.data_ptr(), lse=sm.data_ptr(), v_out=out.data_ptr(), lse_out=lse.data_ptr(), num_rows=2,
+            num_states=7, num_heads=16, v_stride_n=vm.stride(0), v_stride_s=vm.stride(1), v_stride_h=vm.stride(2),
+            lse_stride_n=sm.stride(0), lse_stride_s=sm.stride(1), lse_stride_h=sm.stride(2),
+            v_out_stride_n=out.stride(0), v_out_stride_h=out.stride(1), lse_out_stride_n=lse.stride(0),
+            lse_out_stride_h=lse.stride(1))
+        assert len(made) == 2                                  # one Launch per kernel of the key, reused
+        merge.merge_state_eager(va.to(torch.float16), sa, vb.to(torch.float16), sb)
+        assert len(made) == 4                                  # another dtype: another key
+        dispatch.clear_memory()
+        merge.merge_state_eager(va, sa, vb, sb)
+        assert len(made) == 6                                  # the modules forgotten: the Launches too
+    finally:
+        dispatch.clear_memory()

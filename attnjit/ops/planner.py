@@ -324,7 +324,8 @@ def _paged_lengths(names: tuple[str, str, str], kvp, last, page_size: int):
         if ((last < some) | (last > page_size * some)).any():   # one without pages last == 0
             _explain_last(n_last, kvp.tolist(), last.tolist(), page_size)
         kv_lens = page_size * (pages - some) + last
-        if kv_lens.size and kv_lens.max() > MAX_KV_LEN:
+        # a request's KV length is at most page_size x indptr[-1] (indptr checked): only then is the max needed
+        if page_size * int(kvp[-1]) > MAX_KV_LEN and kv_lens.max() > MAX_KV_LEN:
             _explain_kv_lens(n_indptr, kv_lens.tolist())
         return kv_lens
     kv_lens = []

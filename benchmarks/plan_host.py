@@ -12,6 +12,8 @@ calls (the minimum is the figure to compare on a shared machine; the median show
   timing those functions inside plan();
 - graph-mode decode: plan() and the fast re-plan (``BatchDecodeWithPagedKVCacheWrapper.fast_plan``) at the same
   sizes, where the wrapper has one;
+- the metadata upload alone (``MetadataBuffers.upload``, plain and graph mode; a CPU "device" without a GPU) and, on
+  a CPU, merge_state(s)' Python before the launch (stand-in module and launch);
 - FlashInfer's plan() with the same arguments where it is installed (the ratio attnjit / FlashInfer is the
   issue's target: <= 0.8).
 
@@ -210,7 +212,8 @@ def merge_rows() -> dict:
 
     class FakeModule:
         key, device_index = "stand-in", 0
-        kernels = {"attnjit_merge_state": PARAMS["merge_two"].struct, "attnjit_merge_states": PARAMS["merge_many"].struct}
+        kernels = {"attnjit_merge_state": PARAMS["merge_two"].struct,
+                   "attnjit_merge_states": PARAMS["merge_many"].struct}
 
     saved = merge.require_cuda, dispatch.module, dispatch.device_arch, dispatch.Launch
     merge.require_cuda = lambda *a: None

@@ -230,6 +230,7 @@ class Launch:
         self.block = block or (kernel.info.threads, 1, 1)
         self.smem = kernel.info.smem if smem is None else smem
         self.plan = plan
+        self.decide: Any = None  # or a function giving the plan's decisions, asked only when a record is made
         self.layout = kernel.layout
         self._buf = ctypes.create_string_buffer(self.layout.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
@@ -254,7 +255,8 @@ class Launch:
         if _recorders or _log_file() is not None:
             _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
                                  binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,
-                                 block=tuple(self.block), smem=self.smem, plan=self.plan,
+                                 block=tuple(self.block), smem=self.smem,
+                                 plan=self.plan if self.decide is None else self.decide(),
                                  built_by=module.binary.entry.toolchain))
 
 
@@ -284,6 +286,18 @@ def module(spec: AttentionSpec, device, cache: Cache | None = None) -> Module:
     return mod
 
 
+_module_memos: list[dict] = []
+
+
+def module_memo() -> dict:
+    """A dict an op keeps of things made from loaded modules (its Launches): clear_memory() empties it too."""
+    memo: dict = {}
+    _module_memos.append(memo)
+    return memo
+
+
 def clear_memory() -> None:
-    """Forget loaded modules (tests; a process that changed its cache)."""
+    """Forget loaded modules, and what ops made from them (tests; a process that changed its cache)."""
     _modules.clear()
+    for memo in _module_memos:
+        memo.clear()

@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
-from benchmarks import cascade, fp8, prefill  # noqa: E402
+from benchmarks import cascade, fp8, pagesize, prefill  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
@@ -220,6 +220,17 @@ def sweep_decode(rows) -> list[dict]:
     return _sweep_tiles("narrow_tile", SWEEP_DECODE, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
 
+# The deep decode tile (batches that cannot fill the GPU) tried by --deep-sweep, the current one first
+SWEEP_DEEP = [(1, 4, 1, 1, 4, 1, "deep"), (1, 4, 1, 1, 5, 1, "deep"), (1, 4, 1, 1, 6, 1, "deep"),
+              (1, 8, 1, 1, 3, 1, "deep"), (1, 8, 1, 1, 2, 1, "deep"), (1, 4, 1, 2, 3, 1, "deep"),
+              (1, 4, 1, 1, 3, 2, "deep")]
+SMALL_DECODE_ROWS = [(1, 32768), (16, 4096), (4, 16384)]
+
+
+def sweep_deep(rows) -> list[dict]:
+    return _sweep_tiles("deep_decode_tile", SWEEP_DEEP, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
+
+
 def sweep_prefill(rows) -> list[dict]:
     return _sweep_tiles("wide_tile", SWEEP, lambda res: bench_prefill(None, rows, res, sdpa=False, families=("fa2",)),
                         "attnjit_fa2_tflops", 1)
@@ -294,9 +305,21 @@ def table(results, copy_tbps: float) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("decode", "prefill", "variants", "cascade", "pagesize", "fp8")
+
+
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(filter(None, (x.strip() for x in text.split(","))))
+    bad = [n for n in names if n not in SECTIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {bad or [text]}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["decode", "prefill", "variants", "cascade", "fp8"])
+    ap.add_argument("--only", type=_sections, default=None,
+                    help=f"comma-separated sections to run ({', '.join(SECTIONS)}); default: decode, prefill, variants")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
@@ -304,7 +327,13 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
     ap.add_argument("--order-sweep", action="store_true", help="time prefill work orders (sweep_order)")
+    ap.add_argument("--deep-sweep", action="store_true", help="time the deep decode tile variants in SWEEP_DEEP")
     args = ap.parse_args()
+    if args.deep_sweep:
+        rows = sweep_deep(SMALL_DECODE_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.order_sweep:
         rows = sweep_order(PREFILL_ROWS)
         if args.json:
@@ -330,20 +359,25 @@ def main() -> int:
     variant_rows: list[dict] = []
     cascade_rows: list[dict] = []
     fp8_rows: list[dict] = []
-    if args.only == "fp8":
+    only = args.only or ("decode", "prefill", "variants")
+    page_rows: list[dict] = []
+    if "pagesize" in only:
+        pagesize.bench_page_sizes(fi, page_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(pagesize.table(page_rows), flush=True)
+    if "fp8" in only:
         fp8.bench_fp8(fi, DECODE_ROWS, fp8_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
         print(fp8.table(fp8_rows), flush=True)
-    if args.only == "cascade":
+    if "cascade" in only:
         cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
         print(cascade.table(cascade_rows), flush=True)
-    if args.only in (None, "decode"):
+    if "decode" in only:
         bench_decode(fi, DECODE_ROWS, decode_rows)
         print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
-    if args.only in (None, "prefill"):
+    if "prefill" in only:
         rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
         prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
-    if args.only in (None, "variants"):
+    if "variants" in only:
         prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -355,6 +389,8 @@ def main() -> int:
             doc["cascade"] = cascade_rows
         if fp8_rows:
             doc["fp8"] = fp8_rows
+        if page_rows:
+            doc["pagesize"] = page_rows
         Path(args.json).write_text(json.dumps(doc, indent=1))
     print(json.dumps(meta))
     if decode_rows:
@@ -365,6 +401,8 @@ def main() -> int:
         print(cascade.table(cascade_rows))
     if fp8_rows:
         print(fp8.table(fp8_rows))
+    if page_rows:
+        print(pagesize.table(page_rows))
     if variant_rows:
         print(prefill.variant_table([r for r in variant_rows if r["op"] == "prefill variants"]))
         print(variant_table([r for r in variant_rows if r["op"] != "prefill variants"]))

@@ -12,6 +12,8 @@ calls (the minimum is the figure to compare on a shared machine; the median show
   timing those functions inside plan();
 - graph-mode decode: plan() and the fast re-plan (``BatchDecodeWithPagedKVCacheWrapper.fast_plan``) at the same
   sizes, where the wrapper has one;
+- the metadata upload alone (``MetadataBuffers.upload``, plain and graph mode; a CPU "device" without a GPU) and, on
+  a CPU, merge_state(s)' Python before the launch (stand-in module and launch);
 - FlashInfer's plan() with the same arguments where it is installed (the ratio attnjit / FlashInfer is the
   issue's target: <= 0.8).
 
@@ -93,7 +95,7 @@ def step_timers(totals: dict):
     targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
                (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
-               (_wrapper._AttentionWrapper, "_prepare_launch", "launch setup"),
+               (_wrapper._AttentionWrapper, "_fill_launch", "launch setup"),
                (_wrapper, "spec_for", "spec + variant"), (_wrapper._AttentionWrapper, "_bind", "spec + variant")]
     saved = []
     for owner, attr, label in targets:
@@ -162,6 +164,74 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
     return {"op": "dispatch", **{n: timed(f, cuda=True, rounds=9, calls=200)["min_us"] for n, f in calls.items()}}
 
 
+def upload_rows(dev: str) -> list[dict]:
+    """The metadata upload alone (``MetadataBuffers.upload``) for the decode plans above, plain and graph mode. On a
+    machine without a GPU it runs with a CPU "device" (the code a GPU plan runs, minus pinned memory and the
+    driver's copy): its figure is the Python of the upload only."""
+    from attnjit.ops._upload import MetadataBuffers
+
+    rows = []
+    device = torch.device(dev)
+    for batch in (1, 256):
+        meta = metadata(batch, "decode", "cpu")
+        w, fn = planner("attnjit", "decode", torch.empty(64 << 20, dtype=torch.uint8, device=dev), meta)
+        fn()
+        work, used = w._plan.work, int(meta["indptr"][-1])
+        row = {"op": "upload", "batch": batch}
+        for graph in (False, True):
+            buffers = MetadataBuffers(device, graph, None)
+
+            def up(buffers=buffers):
+                buffers.upload(work.records, num_groups=work.num_groups, num_kv_heads=H_KV, page_ids=meta["indices"],
+                               used=used, keep=[])
+            row["graph" if graph else "plain"] = timed(up, cuda=dev == "cuda")["min_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def merge_rows() -> dict:
+    """Host us of the eager merge_state / merge_states / merge_state_in_place Python before their launch, on the
+    CPU: [16, 32, 128] bf16 states; the GPU check, the module (its lookup is still made) and the launch are
+    stand-ins that do nothing but pack the parameter struct (on a GPU host dispatch_overhead times the real call)."""
+    from attnjit.ops import merge
+
+    gen = torch.Generator().manual_seed(0)
+    va, vb = (torch.randn(16, H_Q, D, generator=gen).to(DT) for _ in range(2))
+    sa, sb = (torch.randn(16, H_Q, generator=gen) for _ in range(2))
+    vm, sm = torch.randn(16, 2, H_Q, D, generator=gen).to(DT), torch.randn(16, 2, H_Q, generator=gen)
+    from attnjit import dispatch
+    from attnjit.generator import PARAMS
+
+    class FakeLaunch:  # packs the struct as a Launch does, launches nothing
+        def __init__(self, op, kernel, grid):
+            self.grid, self.struct = grid, kernel
+
+        def __call__(self, values):
+            self.struct.pack(*values)
+
+    class FakeModule:
+        key, device_index = "stand-in", 0
+        kernels = {"attnjit_merge_state": PARAMS["merge_two"].struct,
+                   "attnjit_merge_states": PARAMS["merge_many"].struct}
+
+    saved = merge.require_cuda, dispatch.module, dispatch.device_arch, dispatch.Launch
+    merge.require_cuda = lambda *a: None
+    dispatch.module, dispatch.device_arch, dispatch.Launch = (lambda *a: FakeModule), (lambda d: "sm_90a"), FakeLaunch
+    dispatch.clear_memory()
+    try:
+        calls = {"merge_state": lambda: merge.merge_state_eager(va, sa, vb, sb),
+                 "merge_state_in_place": lambda: merge.merge_state_in_place_eager(va, sa, vb, sb),
+                 "merge_states": lambda: merge.merge_states_eager(vm, sm)}
+        row = {"op": "merge (python before the launch)",
+               **{n: timed(f, rounds=9, calls=500)["min_us"] for n, f in calls.items()}}
+    finally:
+        merge.require_cuda, dispatch.module, dispatch.device_arch, dispatch.Launch = saved
+        dispatch.clear_memory()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
@@ -207,12 +277,14 @@ def main() -> dict:
             row["fast_plan"] = timed(lambda: w.fast_plan(meta["indptr"], meta["indices"], meta["last"]), cuda=cuda)
         fast.append(row)
         print(json.dumps(row), flush=True)
+    uploads = upload_rows(dev)
+    merges = None if cuda else merge_rows()
     dispatch = dispatch_overhead(cuda, dev)
     print(json.dumps(dispatch), flush=True)
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
                       "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
-           "dispatch": dispatch}
+           "upload": uploads, "merge": merges, "dispatch": dispatch}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -182,3 +182,39 @@ def _plan(w, kind, qo, kv, qo_indptr, hd, ps, causal, opts) -> list[int]:
     else:
         w.plan(i32(qo_indptr), i32(indptr), ids, i32(last), head_dim_qk=hd, page_size=ps, causal=causal, **opts)
     return indptr[:-1]
+
+
+@pytest.mark.parametrize("path", ["auto", "arrays"])
+def test_split_batches_of_one_q_tile_per_request_plan_what_the_loop_planned(path, monkeypatch):
+    """The array path's shortcut for split batches whose requests are each one q tile (split decode; short prefill
+    rows): the old scheduler's records on 1,500 random such batches (empty histories, ties, fixed and auto split,
+    small workspaces)."""
+    if path == "arrays":
+        monkeypatch.setattr(scheduler, "SMALL_BATCH", -1)
+        monkeypatch.setattr(scheduler, "SMALL_ITEMS", -1)
+    rng = random.Random(77)
+    splits = 0
+    for _ in range(1500):
+        tile = rng.choice(TILES)
+        group = rng.choice([1, 2, 4, 7, 8])
+        rows = max(1, tile.cta_q // group)
+        batch = rng.randint(1, 60)
+        qo = [rng.randint(1, rows) if rng.random() < 0.3 else 1 for _ in range(batch)]
+        kv = [rng.choice([0, 1, tile.cta_kv, rng.randint(1, 3000), rng.randint(1, 40000), 2048]) for _ in range(batch)]
+        causal = rng.random() < 0.5
+        if causal:
+            kv = [max(k, q) for q, k in zip(qo, kv)]
+        kw = dict(group=group, tile=tile, causal=causal, num_kv_heads=rng.choice([1, 8]),
+                  slots=rng.choice([132, 264, 1056]), max_slots=rng.choice([10 ** 6, 4000, 64]),
+                  fixed_chunk=rng.choice([None, None, 256, 1000]))
+        offsets = list(np.cumsum([0] + qo[:-1]))
+        bases = [rng.randint(0, 10 ** 5) for _ in range(batch)]
+        try:
+            ref = old.plan_work(qo_lens=qo, kv_lens=kv, qo_offsets=offsets, kv_bases=bases, **kw)
+        except ValueError as exc:
+            with pytest.raises(ValueError, match=str(exc)[:40].replace("(", r"\(").replace(")", r"\)")):
+                scheduler.plan_work(qo_lens=qo, kv_lens=kv, qo_offsets=offsets, kv_bases=bases, **kw)
+            continue
+        _same(scheduler.plan_work(qo_lens=qo, kv_lens=kv, qo_offsets=offsets, kv_bases=bases, **kw), ref)
+        splits += ref.split_requests > 0
+    assert splits > 300

@@ -1,16 +1,23 @@
 """A plan's device metadata: work count, work records, split-group tickets and page ids, in one host-to-device copy.
 
-Host metadata never needs a device-to-host read: the values are written into one pinned host buffer (torch's
-caching host allocator keeps it until its asynchronous copy has run) and copied once. Page ids already on the
-device are used where they lie (a strided view is made dense first: the kernels read them as a dense array).
+Host metadata never needs a device-to-host read: the values are written into a pinned host buffer that the wrapper
+keeps (``Staging``) and copied once, asynchronously. A staging buffer is written again only once the event recorded
+after its last copy has completed, so a plan never overwrites the bytes a previous plan's copy may still be reading;
+a wrapper keeps two (a plan while the other's copy is in flight), and when both are busy one plan takes a fresh
+buffer from torch's caching host allocator (which holds it until its copy has run). Page ids already on the device
+are used where they lie (a strided view is made dense first: the kernels read them as a dense array).
 
 Layout (int32): ``[work_count, 0, 0, 0][records: W x 12][tickets][page ids given on the host]``; the records start
 16 bytes in, as the kernels read them as int4. With ``use_cuda_graph`` every buffer a kernel reads keeps its
 address across plans: the regions are sized by the first plan (or ``max_work_items``) and later plans write the
-part they use; a plan that needs more is an error that says which constructor argument to raise.
+part they use; a plan that needs more is an error that says which constructor argument to raise. The wrapper's own
+page-id buffer (when the engine passed none) lies in the same allocation, after the tickets, so a graph-mode plan
+with host page ids is one copy too.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 import torch
@@ -20,24 +27,76 @@ from .scheduler import RECORD_FIELDS
 
 RECORD = len(RECORD_FIELDS)  # ints per work record
 _HEAD = 4    # work_count, padded to 16 bytes
+_SLOTS = 2   # staging buffers a wrapper keeps
+
+
+class Staging:
+    """One reusable host buffer (pinned for a CUDA device) and the event recorded after its last copy.
+
+    ``new_event`` makes the event (``torch.cuda.Event`` for a CUDA device; None: copies complete when issued, as
+    to a CPU "device"); anything with ``record()`` and ``query()`` serves, so the reuse rule is testable anywhere.
+    """
+
+    __slots__ = ("tensor", "host", "size", "event")
+
+    def __init__(self, size: int, pinned: bool, new_event: Callable[[], object] | None):
+        # zeros: a graph-mode copy also carries the unused part between the regions (never uninitialized memory)
+        self.tensor = torch.zeros(size, dtype=torch.int32, pin_memory=pinned)
+        self.host = self.tensor.numpy()
+        self.size = size
+        self.event = new_event() if new_event is not None else None
+
+    def free(self) -> bool:
+        """True when no copy from this buffer may still be in flight."""
+        return self.event is None or self.event.query()
+
+    def copied(self) -> None:
+        """Called after the copies from this buffer were issued (on the current stream)."""
+        if self.event is not None:
+            self.event.record()
+
+
+def _cuda_event():
+    return torch.cuda.Event()
 
 
 class MetadataBuffers:
     """The device metadata of one wrapper's plans."""
 
-    def __init__(self, device: torch.device, use_cuda_graph: bool, max_work_items: int | None):
+    def __init__(self, device: torch.device, use_cuda_graph: bool, max_work_items: int | None, *,
+                 new_event: Callable[[], object] | None = None):
         self.device = device
         self.graph = use_cuda_graph
         self.max_work_items = max_work_items
-        self.fixed_meta: torch.Tensor | None = None      # graph mode: count, records and tickets
+        self.fixed_meta: torch.Tensor | None = None      # graph mode: count, records, tickets (and own page ids)
         self.caps: tuple[int, int] | None = None         # graph mode: (work records, tickets) the buffer holds
         self.fixed_page_ids: torch.Tensor | None = None  # graph mode: the page-id buffer the kernels read
+        self.ids_at: int | None = None                   # graph mode: where fixed_page_ids starts in fixed_meta
         self.batch: int | None = None                    # graph mode: the batch size of every plan (the first's)
+        self._pinned = device.type == "cuda"
+        self._new_event = new_event if new_event is not None else (_cuda_event if self._pinned else None)
+        self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
 
     def check_batch(self, batch: int) -> None:
         if self.graph and self.batch is not None and batch != self.batch:
             raise ValueError(f"this wrapper was built with use_cuda_graph=True and first planned for batch size "
                              f"{self.batch}; plan() got batch size {batch}. Use one wrapper per batch size.")
+
+    def _slot(self, size: int) -> Staging:
+        """A staging buffer of at least ``size`` ints that no copy is reading: a kept one, else a kept one grown,
+        else a new one (kept while fewer than _SLOTS are, else used once)."""
+        slots = self.staging
+        for s in slots:
+            if s.size >= size and s.free():
+                return s
+        for i, s in enumerate(slots):
+            if s.free():  # too small: replace it (torch's host allocator keeps the old one until its copy ran)
+                slots[i] = Staging(max(size, 2 * s.size), self._pinned, self._new_event)
+                return slots[i]
+        s = Staging(max(size, 1024), self._pinned, self._new_event)
+        if len(slots) < _SLOTS:
+            slots.append(s)
+        return s
 
     def upload(self, records: np.ndarray, *, num_groups: int, num_kv_heads: int, page_ids: torch.Tensor | None,
                used: int, keep: list) -> dict[str, int]:
@@ -48,64 +107,92 @@ class MetadataBuffers:
         tensors the kernels read, which live as long as the plan.
         """
         items, tickets = records.shape[0], num_groups * num_kv_heads
+        if self.graph:
+            return self._upload_graph(records, items, tickets, num_kv_heads, page_ids, used, keep)
         host_ids = page_ids is not None and page_ids.device.type == "cpu"
         head = _HEAD + records.size
-        if self.graph:
-            self._check_caps(items, tickets, num_kv_heads)
-        staging = torch.empty(head + tickets + (used if host_ids else 0), dtype=torch.int32,
-                              pin_memory=self.device.type == "cuda")  # (a CPU device: the tests of this layout)
-        host = staging.numpy()
-        host[0], host[1:_HEAD] = items, 0
+        end = head + tickets
+        total = end + (used if host_ids else 0)
+        slot = self._slot(total)
+        host = slot.host
+        host[:_HEAD] = (items, 0, 0, 0)
         host[_HEAD:head] = records.reshape(-1)
-        host[head:head + tickets] = 0
+        host[head:end] = 0
         if host_ids and used:
-            host[head + tickets:] = page_ids.numpy()[:used]
-        if self.graph:
-            dev = self.fixed_meta
-            at_tickets = _HEAD + RECORD * self.caps[0]
-            dev[:head].copy_(staging[:head], non_blocking=True)
-            if tickets:
-                dev[at_tickets:at_tickets + tickets].copy_(staging[head:head + tickets], non_blocking=True)
-        else:
-            dev = staging.to(self.device, non_blocking=True)
-            at_tickets = head
+            host[end:total] = page_ids.numpy()[:used]
+        dev = torch.empty(total, dtype=torch.int32, device=self.device)
+        dev.copy_(slot.tensor[:total], non_blocking=True)
+        slot.copied()
+        keep.append(dev)
+        base = dev.data_ptr()
+        ptr = {"work_count": base, "work": base + 4 * _HEAD, "merge_counters": base + 4 * head}
+        if page_ids is not None:
+            if host_ids:
+                ptr["kv_indices"] = base + 4 * end
+            else:
+                t = dense_page_ids(page_ids)
+                keep.append(t)
+                ptr["kv_indices"] = t.data_ptr()
+        return ptr
+
+    def _upload_graph(self, records: np.ndarray, items: int, tickets: int, num_kv_heads: int,
+                      page_ids: torch.Tensor | None, used: int, keep: list) -> dict[str, int]:
+        """Graph mode: the regions of the fixed buffers this plan uses, rewritten in place."""
+        self._check_caps(items, tickets, num_kv_heads, page_ids, used)
+        head = _HEAD + RECORD * items
+        at_tickets = _HEAD + RECORD * self.caps[0]
+        end = at_tickets + tickets if tickets else head   # what the kernels read of fixed_meta, ids aside
+        host_ids = page_ids is not None and page_ids.device.type == "cpu"
+        own_ids = host_ids and self.ids_at is not None    # staged at their place in fixed_meta: one copy
+        total = self.ids_at + used if own_ids and used else end
+        slot = self._slot(total + (used if host_ids and not own_ids else 0))
+        host = slot.host
+        host[:_HEAD] = (items, 0, 0, 0)
+        host[_HEAD:head] = records.reshape(-1)
+        if tickets:
+            host[at_tickets:end] = 0
+        if host_ids and used:
+            at = self.ids_at if own_ids else total
+            host[at:at + used] = page_ids.numpy()[:used]
+        dev = self.fixed_meta
+        dev[:total].copy_(slot.tensor[:total], non_blocking=True)  # the gaps hold zeros or an older plan's records
+        fixed = self.fixed_page_ids
+        if page_ids is not None and used and not own_ids:
+            src = slot.tensor[total:total + used] if host_ids else page_ids[:used]
+            # the engine may have written the page ids into the fixed buffer itself (FlashInfer's pattern)
+            if host_ids or not (src.data_ptr() == fixed.data_ptr() and src.is_contiguous()):
+                fixed[:used].copy_(src, non_blocking=True)
+        slot.copied()
         keep.append(dev)
         base = dev.data_ptr()
         ptr = {"work_count": base, "work": base + 4 * _HEAD, "merge_counters": base + 4 * at_tickets}
         if page_ids is not None:
-            ptr["kv_indices"] = self._page_ids(page_ids, used, staging[head + tickets:] if host_ids else None,
-                                               dev, head + tickets, keep)
+            keep.append(fixed)
+            ptr["kv_indices"] = fixed.data_ptr()
         return ptr
 
-    def _check_caps(self, items: int, tickets: int, num_kv_heads: int) -> None:
-        if self.caps is None:
+    def _check_caps(self, items: int, tickets: int, num_kv_heads: int, page_ids: torch.Tensor | None,
+                    used: int) -> None:
+        if self.caps is None:  # the first plan sizes the fixed buffers
             cap = max(self.max_work_items or 0, 2 * items, 64)
             self.caps = (cap, max(cap * num_kv_heads, tickets))
-            self.fixed_meta = torch.zeros(_HEAD + RECORD * cap + self.caps[1], dtype=torch.int32, device=self.device)
+            size = _HEAD + RECORD * cap + self.caps[1]
+            own_ids = page_ids is not None and self.fixed_page_ids is None
+            if own_ids:
+                size = -(-size // 4) * 4  # the page ids start on 16 bytes too
+                self.ids_at, size = size, size + max(2 * used, 64)
+            self.fixed_meta = torch.zeros(size, dtype=torch.int32, device=self.device)
+            if own_ids:
+                self.fixed_page_ids = self.fixed_meta[self.ids_at:]
         for what, need, have in (("work items", items, self.caps[0]), ("split tickets", tickets, self.caps[1])):
             if need > have:
                 raise ValueError(f"use_cuda_graph: this plan needs {need} {what} but the wrapper's fixed buffers hold "
                                  f"{have}; build the wrapper with a larger max_work_items")
-
-    def _page_ids(self, page_ids: torch.Tensor, used: int, staged: torch.Tensor | None, dev: torch.Tensor,
-                  at: int, keep: list) -> int:
-        if not self.graph:
-            if staged is not None:
-                return dev.data_ptr() + 4 * at
-            t = dense_page_ids(page_ids)
-            keep.append(t)
-            return t.data_ptr()
-        fixed = self.fixed_page_ids
-        if fixed is None:
-            fixed = self.fixed_page_ids = torch.zeros(max(2 * used, 64), dtype=torch.int32, device=self.device)
-        elif fixed.numel() < used:
-            raise ValueError(f"use_cuda_graph: the plan uses {used} page ids, more than the {fixed.numel()} of the "
-                             "wrapper's fixed page-id buffer; pass a large enough paged_kv_indices buffer to the "
-                             "constructor")
-        src = staged if staged is not None else page_ids[:used]
-        # the engine may have written the page ids into the fixed buffer itself (FlashInfer's pattern)
-        in_place = staged is None and src.data_ptr() == fixed.data_ptr() and src.is_contiguous()
-        if used and not in_place:
-            fixed[:used].copy_(src, non_blocking=True)
-        keep.append(fixed)
-        return fixed.data_ptr()
+        if page_ids is not None:
+            fixed = self.fixed_page_ids
+            if fixed is None:  # a first plan without page ids: a buffer of their own
+                fixed = self.fixed_page_ids = torch.zeros(max(2 * used, 64), dtype=torch.int32, device=self.device)
+            if fixed.numel() < used:
+                raise ValueError(f"use_cuda_graph: the plan uses {used} page ids, more than the {fixed.numel()} of "
+                                 "the wrapper's fixed page-id buffer; pass a large enough paged_kv_indices buffer to "
+                                 "the constructor")

@@ -5,6 +5,7 @@ run()'s checks against the plan and its launch, and the paged wrappers' cache ch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 
 from .. import dispatch, families, knobs, tuning
 from ..errors import NoGPUError
-from ..generator import attention_layout, variant_param_name
+from ..generator import PARAMS, attention_layout, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
@@ -24,6 +25,28 @@ from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
 from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
+
+
+@dataclass(slots=True)
+class _Prepared:
+    """What one plan key fixes (``_AttentionWrapper._prepare``); shared by the plans of the key, never changed."""
+
+    kernel: Any               # dispatch.Kernel, or None without a GPU
+    slots: int                # resident CTAs over all SMs
+    sched: dict               # plan_work's arguments that do not depend on the lengths
+    launch: Any               # dispatch.Launch, or None without a GPU
+    layout: Any               # the kernel's ParamLayout
+    values: list              # the parameter struct; pointers, strides and variant values 0
+    persistent: bool          # the family's CTAs walk the work list
+    count: bool               # the kernel reads work_count (graph mode or persistent)
+    bound_slots: list         # (name, struct index, kind) of the variant values plan() fixes
+    variant_slots: list       # (name, struct index, kind) of the run()-time variant parameters
+    extra: dict               # the wrapper's own decisions for the record
+
+
+_A = PARAMS["attention"].index  # the fields each plan fills, at their PARAMS["attention"] positions
+_KVI, _WORK, _WC, _MC = _A["kv_indices"], _A["work"], _A["work_count"], _A["merge_counters"]
+_NO_POINTERS = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
 
 
 def _schedule(batch: P.Batch, sched: dict) -> WorkPlan:
@@ -81,6 +104,8 @@ class _AttentionWrapper(FlashInferAliases):
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
         self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
+        self._kernels: dict[tuple, tuple] = {}            # (spec, tile, sms) -> (kernel, slots): _kernel_for
+        self._prepared: dict[tuple, _Prepared] = {}       # plan key -> what it fixes: _prepare
         self._handle = _handles.register(self)            # how torch.ops.attnjit.batch_run names this wrapper
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
@@ -141,13 +166,12 @@ class _AttentionWrapper(FlashInferAliases):
     def _finish_plan(self, *, spec: AttentionSpec, batch: P.Batch, num_qo_heads: int, num_kv_heads: int,
                      dtypes: tuple[torch.dtype, torch.dtype, torch.dtype], opts: P.PlanOptions,
                      page_ids: torch.Tensor | None, binding: Binding) -> None:
-        head_dim = spec.head_dim_qk
         group = spec.group_size
         qo_lens = batch.qo_lens
-        disable_split_kv = opts.disable_split_kv
         on_gpu = self._device.type == "cuda"
         if on_gpu and not torch.cuda.is_available():
             raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
+        sms = None if on_gpu else dispatch.num_sms(None)  # no GPU: ATTNJIT_NUM_SMS, read once per plan
         # the kernel family: the wrapper's backend, else the spec's default for this batch (graph mode: the first
         # plan's, which the captured graph replays)
         graph = self._graph_plan()
@@ -161,41 +185,37 @@ class _AttentionWrapper(FlashInferAliases):
             self._check_graph_plan(spec, batch, page_ids)
 
         def capacity(t) -> int:  # resident CTAs of tile t over all SMs
-            _, per_sm, sms = self._kernel_for(spec, t, on_gpu)
-            return per_sm * sms
+            return self._kernel_for(spec, t, sms)[1]
 
         # the deep decode tile serves split-KV batches; a captured graph replays the kernel it captured: later
         # plans keep the first plan's tile
         tile = graph.work.tile if graph is not None else families.get(spec.family).choose_tile(
             spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
-            allow_split=not disable_split_kv and not self._use_cuda_graph, capacity=capacity)
-        kernel, per_sm, sms = self._kernel_for(spec, tile, on_gpu)
-        slot_bytes = num_qo_heads * (head_dim + 1) * 4
-        max_slots = self._workspace.numel() * self._workspace.element_size() // slot_bytes
-        sched = dict(group=group, tile=tile, causal=spec.mask == "causal", num_kv_heads=num_kv_heads,
-                     slots=sms * per_sm, max_slots=max_slots, allow_split=not disable_split_kv,
-                     fixed_chunk=opts.fixed_split_size)
-        work = _schedule(batch, sched)
+            allow_split=not opts.disable_split_kv and not self._use_cuda_graph, capacity=capacity)
+        key = (spec, tile, sms, num_qo_heads, num_kv_heads, opts.sm_scale, opts.fixed_split_size,
+               opts.disable_split_kv, tuple(binding.bound))
+        prep = self._prepared.get(key)
+        if prep is None:
+            prep = self._prepared[key] = self._prepare(key, binding)
+        work = _schedule(batch, prep.sched)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
         plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
-                     num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=spec.page_size, q_dtype=q_dtype,
-                     kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=batch.max_page, total_kv=batch.total_kv,
-                     on_gpu=on_gpu, q_shape=torch.Size((total_q, num_qo_heads, head_dim)), binding=binding,
-                     variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
-                                    "request+1": size + 1, "qo_token": total_q}, sched=sched)
+                    num_kv_heads=num_kv_heads, head_dim=spec.head_dim_qk, page_size=spec.page_size, q_dtype=q_dtype,
+                    kv_dtype=kv_dtype, o_dtype=o_dtype, max_page=batch.max_page, total_kv=batch.total_kv,
+                    on_gpu=on_gpu, q_shape=torch.Size((total_q, num_qo_heads, spec.head_dim_qk)), binding=binding,
+                    variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
+                                   "request+1": size + 1, "qo_token": total_q}, sched=prep.sched,
+                    layout=prep.layout, variant_slots=prep.variant_slots, extra=prep.extra)
         plan.keep += binding.keep
         plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
-        plan.extra = self._decision_extra()
-        plan.layout = attention_layout(spec.variant)
-        kinds = binding.kinds()
-        plan.variant_slots = [(n, plan.layout.index[variant_param_name(n)], kinds[n]) for n in binding.required]
+        plan.sm_scale_log2 = opts.sm_scale * _LOG2E   # run()'s scalar k_scale multiplies it (_running.kv_scales)
         if on_gpu:
             ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
                                     page_ids=page_ids, used=batch.num_page_ids, keep=plan.keep)
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
-            ptr = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
-        self._prepare_launch(plan, kernel, ptr, opts.sm_scale, max_slots, per_sm * sms)
+            ptr = _NO_POINTERS
+        self._fill_launch(plan, prep, ptr)
         if self._use_cuda_graph and self._meta.batch is None:
             self._meta.batch = size
         self._plan = plan
@@ -233,46 +253,76 @@ class _AttentionWrapper(FlashInferAliases):
             raise ValueError(f"use_cuda_graph: the page table uses page id {batch.max_page} but the cache of the "
                              f"last run() (what a replay reads) has {self._graph_num_pages} pages")
 
-    def _kernel_for(self, spec: AttentionSpec, tile, on_gpu: bool) -> tuple[Any, int, int]:
-        """(kernel or None, resident CTAs per SM, SMs) for one tile of the spec's module."""
-        if not on_gpu:
-            return None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))), dispatch.num_sms(None)
-        kernel = dispatch.module(spec, self._device).kernels[tile.kernel]
-        return kernel, max(1, kernel.occupancy()), dispatch.num_sms(self._device)
+    def _kernel_for(self, spec: AttentionSpec, tile, sms: int | None) -> tuple[Any, int]:
+        """(kernel or None, resident CTAs over all SMs) of one tile of the spec's module, memoized per wrapper
+        (the module, its occupancy and the SM count do not change in a process). ``sms``: None on a GPU (the
+        device's), else the SM count a CPU plan assumes (ATTNJIT_NUM_SMS), part of the key."""
+        key = (spec, tile, sms)
+        got = self._kernels.get(key)
+        if got is None:
+            if sms is not None:  # no GPU: the occupancy the tile's shared memory and min_blocks allow
+                got = None, max(1, min(tile.min_blocks * 2, (227 * 1024) // max(tile.smem, 1))) * sms
+            else:
+                kernel = dispatch.module(spec, self._device).kernels[tile.kernel]
+                got = kernel, max(1, kernel.occupancy()) * dispatch.num_sms(self._device)
+            self._kernels[key] = got
+        return got
 
-    def _prepare_launch(self, plan: Plan, kernel, ptr: dict[str, int], sm_scale: float, max_slots: int,
-                        slots: int) -> None:
-        work = plan.work
-        d, hq = plan.head_dim, plan.num_qo_heads
-        ws = self._workspace.data_ptr() if kernel is not None else 0
-        persistent = getattr(families.get(plan.spec.family), "PERSISTENT", False)
-        if self._use_cuda_graph:  # the kernel is the first plan's, so are its slots: the grid is fixed
-            grid_x = max(slots, 1)  # persistent CTAs walk whatever work list a later plan holds
-        elif persistent:  # one resident CTA per slot walks the list (work_count items)
-            grid_x = min(work.num_items * plan.num_kv_heads, slots)
-        else:
-            grid_x = work.num_items * plan.num_kv_heads
-        if kernel is not None:  # one Launch per kernel and wrapper, re-aimed by each plan (it copies nothing)
+    def _prepare(self, key: tuple, binding: Binding) -> _Prepared:
+        """What a plan key fixes, made once per wrapper: the kernel and its slots, the scheduler's arguments, the
+        Launch (one per kernel, re-aimed by each plan), and the parameter struct with every field that does not
+        depend on the metadata; a plan of the key fills in only the device pointers and its variant values.
+        key: (spec, tile, sms, H_q, H_kv, sm_scale, fixed_split_size, disable_split_kv, bound variant names)."""
+        spec, tile, sms, hq, hkv, sm_scale, fixed_split_size, disable_split_kv, _ = key
+        kernel, slots = self._kernel_for(spec, tile, sms)
+        d = spec.head_dim_qk
+        max_slots = self._workspace.numel() * self._workspace.element_size() // (hq * (d + 1) * 4)
+        sched = dict(group=spec.group_size, tile=tile, causal=spec.mask == "causal", num_kv_heads=hkv, slots=slots,
+                     max_slots=max_slots, allow_split=not disable_split_kv, fixed_chunk=fixed_split_size)
+        launch = None
+        if kernel is not None:
             launch = self._launches.get(kernel.ptr)
             if launch is None or launch.kernel is not kernel:
-                launch = self._launches[kernel.ptr] = dispatch.Launch(self._op, kernel, (grid_x, 1, 1))
-            launch.grid, launch.plan = (grid_x, 1, 1), plan.decision()
-            plan.attn = launch
-        binding = plan.binding
+                launch = self._launches[kernel.ptr] = dispatch.Launch(self._op, kernel, (1, 1, 1))
+        layout = attention_layout(spec.variant)
         kinds = binding.kinds()
-        fixed = {variant_param_name(n): check_value(binding.variant, n, kinds[n], v, device=self._device,
-                                                   sizes=plan.variant_sizes) for n, v in binding.bound.items()}
-        fixed.update({variant_param_name(n): 0 for n in binding.required})  # filled by each run()
-        plan.attn_values = plan.layout.values(
-            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4,
-            kv_indices=ptr.get("kv_indices", 0), work=ptr["work"],
-            work_count=ptr["work_count"] if self._use_cuda_graph or persistent else 0,  # 0: the grid is the list
-            merge_counters=ptr["merge_counters"], q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0,
-            kv_stride_0=0, kv_stride_1=0, num_qo_heads=hq, num_kv_heads=plan.num_kv_heads,
-            sm_scale_log2=sm_scale * _LOG2E, scale_k=0, scale_v=0, scale_v_value=1.0, **fixed)
-        plan.sm_scale_log2 = sm_scale * _LOG2E
+        ws = self._workspace.data_ptr() if kernel is not None else 0
+        values = layout.values(
+            q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4, kv_indices=0, work=0,
+            work_count=0, merge_counters=0, q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0,
+            kv_stride_1=0, num_qo_heads=hq, num_kv_heads=hkv, sm_scale_log2=sm_scale * _LOG2E, scale_k=0, scale_v=0,
+            scale_v_value=1.0, **{variant_param_name(n): 0 for n in kinds})  # bound ones: each plan's; the rest: each run()'s
         if kernel is not None:
-            assert len(plan.attn_values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
+            assert len(values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
+        persistent = getattr(families.get(spec.family), "PERSISTENT", False)
+        return _Prepared(kernel=kernel, slots=slots, sched=sched, launch=launch, layout=layout, values=values,
+                         persistent=persistent, count=self._use_cuda_graph or persistent,
+                         bound_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.bound],
+                         variant_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required],
+                         extra=self._decision_extra())
+
+    def _fill_launch(self, plan: Plan, prep: _Prepared, ptr: dict[str, int]) -> None:
+        """The plan's parameter struct (the key's, with this plan's pointers and variant values) and grid."""
+        work = plan.work
+        if self._use_cuda_graph:  # the kernel is the first plan's, so are its slots: the grid is fixed
+            grid_x = max(prep.slots, 1)  # persistent CTAs walk whatever work list a later plan holds
+        elif prep.persistent:  # one resident CTA per slot walks the list (work_count items)
+            grid_x = min(work.num_items * plan.num_kv_heads, prep.slots)
+        else:
+            grid_x = work.num_items * plan.num_kv_heads
+        launch = prep.launch
+        if launch is not None:
+            launch.grid, launch.decide = (grid_x, 1, 1), plan.decision
+            plan.attn = launch
+        vals = prep.values.copy()
+        vals[_KVI], vals[_WORK], vals[_MC] = ptr.get("kv_indices", 0), ptr["work"], ptr["merge_counters"]
+        vals[_WC] = ptr["work_count"] if prep.count else 0  # 0: the grid is the list
+        if prep.bound_slots:
+            binding = plan.binding
+            for name, index, kind in prep.bound_slots:
+                vals[index] = check_value(binding.variant, name, kind, binding.bound[name], device=self._device,
+                                          sizes=plan.variant_sizes)
+        plan.attn_values = vals
 
     # --- run ----------------------------------------------------------------------------------------------
 
@@ -383,17 +433,19 @@ class _PagedMixin:
                 raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
             P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
             P.check_meta(n_indices, indices, dev)
-            kvp, last = P.to_host(indptr, last_page_len)
+            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
+            kvp, last, *rng = P.to_host(indptr, last_page_len, *(rng or ()))  # one copy of all device metadata
             qo = np.arange(indptr.numel(), dtype=np.int64)
         else:  # qo_indptr is read (and checked) first: it says how long the others must be
             for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices),
                             (n_last, last_page_len)):
                 P.check_meta(name, t, dev)
-            qo_h, kvp, last = P.to_host(qo_indptr, indptr, last_page_len)
+            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
+            qo_h, kvp, last, *rng = P.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
             qo = P.read_qo_indptr("qo_indptr", qo_h)
             P.check_meta(n_indptr, indptr, dev, len(qo))
             P.check_meta(n_last, last_page_len, dev, len(qo) - 1)
-        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size)
+        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size, page_range=rng or None)
 
 
 _PAGED_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")

@@ -182,9 +182,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         if plan.on_gpu:
             self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=plan.num_kv_heads,
                               page_ids=indices, used=batch.num_page_ids, keep=[])
-        plan.work, plan.max_page = work, batch.max_page
-        if plan.attn is not None:
-            plan.attn.plan = plan.decision()
+        plan.work, plan.max_page = work, batch.max_page  # the Launch asks plan.decision() for its records
 
 
 _DECODE_NAMES = ("indptr", "indices", "last_page_len")

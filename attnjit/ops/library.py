@@ -59,19 +59,33 @@ def _cache(k: Tensor, v: Tensor | None):
 
 def _batch_run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, want_lse: bool):
     w = _handles.lookup(handle)
-    if w._op_kind == "ragged":
-        result = w.run(q, k, v, return_lse=want_lse)
-    else:
-        result = w.run(q, _cache(k, v), return_lse=want_lse)
+    try:
+        if w._op_kind == "ragged":
+            result = w.run(q, k, v, return_lse=want_lse)
+        else:
+            result = w.run(q, _cache(k, v), return_lse=want_lse)
+    finally:
+        _forget_inputs(w)
     return result if want_lse else (result, _no_lse(q))
 
 
 def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Tensor, lse: Tensor | None) -> None:
     w = _handles.lookup(handle)
-    if w._op_kind == "ragged":
-        w.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
-    else:
-        w.run(q, _cache(k, v), out=out, lse=lse, return_lse=lse is not None)
+    try:
+        if w._op_kind == "ragged":
+            w.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
+        else:
+            w.run(q, _cache(k, v), out=out, lse=lse, return_lse=lse is not None)
+    finally:
+        _forget_inputs(w)
+
+
+def _forget_inputs(w) -> None:
+    """An op body keeps no reference to its inputs: under mode="reduce-overhead" a KV cache that is not a static
+    address is a copy in the CUDA-graph pool while the graph records, and run()'s memo of the last cache would keep
+    that copy alive ("tensor(s) in the cudagraph pool not tracked as outputs")."""
+    if hasattr(w, "_cache_memo"):
+        w._cache_memo = None
 
 
 def _single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap, pos_encoding_mode, want_lse):

@@ -10,29 +10,45 @@ import torch
 
 from .. import dispatch
 from ..generator import PARAMS
+from ..specs import HEAD_DIMS
 from ._common import (SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors, require_cuda,
                       spec_for)
 
 _BLOCK = 128
-_launches: dict[tuple, dispatch.Launch] = {}
+_V_DTYPES = (torch.float16, torch.bfloat16)
+_launches = dispatch.module_memo()  # (dtype, head_dim, device index) -> {kernel name: Launch}: per call one lookup
 
 
 def _launch(v: torch.Tensor, kernel: str, rows_heads: int, values: list) -> None:
-    spec = spec_for(op="merge_state", head_dim=v.shape[-1], dtype=SPEC_DTYPE[v.dtype],
-                    arch=dispatch.device_arch(v.device))
-    mod = dispatch.module(spec, v.device)
-    memo = (mod.key, mod.device_index, kernel)
-    launch = _launches.get(memo)
-    if launch is None:
-        launch = dispatch.Launch("merge_state", mod.kernels[kernel], (1, 1, 1))
-        _launches[memo] = launch
+    key = (v.dtype, v.shape[-1], v.get_device())
+    launches = _launches.get(key)
+    if launches is None:
+        spec = spec_for(op="merge_state", head_dim=v.shape[-1], dtype=SPEC_DTYPE[v.dtype],
+                        arch=dispatch.device_arch(v.device))
+        mod = dispatch.module(spec, v.device)
+        launches = _launches[key] = {name: dispatch.Launch("merge_state", k, (1, 1, 1))
+                                     for name, k in mod.kernels.items()}
+    launch = launches[kernel]
     threads = rows_heads * (v.shape[-1] // 8)
     launch.grid = (-(-threads // _BLOCK), 1, 1)
     launch(values)
 
 
+def _v_ready(v, dim: int, device) -> bool:
+    """The common case of _check_v in one test: fp16/bf16, ``dim``-D, on ``device``, a supported head dim, the last
+    dim contiguous, 16-byte aligned with 16-byte strides (8 elements) along the other dims."""
+    if type(v) is not torch.Tensor or v.dtype not in _V_DTYPES or v.dim() != dim \
+            or (device is not None and v.device != device):
+        return False
+    shape, stride = v.shape, v.stride()
+    return (shape[-1] in HEAD_DIMS and stride[-1] == 1 and v.data_ptr() % 16 == 0
+            and all(shape[i] <= 1 or stride[i] % 8 == 0 for i in range(dim - 1)))
+
+
 def _check_v(name: str, v, dim: int, device=None) -> torch.Tensor:
-    check_tensor(name, v, dtype=(torch.float16, torch.bfloat16), dim=dim, device=device)
+    if _v_ready(v, dim, device):
+        return v
+    check_tensor(name, v, dtype=_V_DTYPES, dim=dim, device=device)
     check_head_dim(f"{name}.shape[-1] (head_dim)", v.shape[-1])
     if v.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {v.stride()}")
@@ -48,10 +64,13 @@ def _check_pair(names: tuple[str, str, str, str], v_a, s_a, v_b, s_b) -> None:
     if v_b.shape != v_a.shape or v_b.dtype != v_a.dtype:
         raise ValueError(f"{names[2]} must match {names[0]} ({v_a.dtype} {list(v_a.shape)}), got {v_b.dtype} "
                          f"{list(v_b.shape)}")
+    rows_heads = v_a.shape[:2]
     for name, s in ((names[1], s_a), (names[3], s_b)):
+        if type(s) is torch.Tensor and s.dtype is torch.float32 and s.shape == rows_heads and s.device == dev:
+            continue  # the common case (a 2-D shape equal to [seq, H]), without building the messages
         check_tensor(name, s, dtype=torch.float32, dim=2, device=dev)
-        if tuple(s.shape) != tuple(v_a.shape[:2]):
-            raise ValueError(f"{name} must be [seq, H] = {list(v_a.shape[:2])}, got {list(s.shape)}")
+        if tuple(s.shape) != tuple(rows_heads):
+            raise ValueError(f"{name} must be [seq, H] = {list(rows_heads)}, got {list(s.shape)}")
 
 
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
@@ -97,14 +116,21 @@ def _merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:
     rows, heads = v_a.shape[0], v_a.shape[1]
     if rows * heads == 0:
         return
-    values = PARAMS["merge_two"].values(
-        v_a=v_a.data_ptr(), lse_a=s_a.data_ptr(), v_b=v_b.data_ptr(), lse_b=s_b.data_ptr(), v_out=v_out.data_ptr(),
-        lse_out=s_out.data_ptr(), mask=mask.data_ptr() if mask is not None else 0, num_rows=rows, num_heads=heads,
-        v_a_stride_n=v_a.stride(0), v_a_stride_h=v_a.stride(1), v_b_stride_n=v_b.stride(0), v_b_stride_h=v_b.stride(1),
-        v_out_stride_n=v_out.stride(0), v_out_stride_h=v_out.stride(1), lse_a_stride_n=s_a.stride(0),
-        lse_a_stride_h=s_a.stride(1), lse_b_stride_n=s_b.stride(0), lse_b_stride_h=s_b.stride(1),
-        lse_out_stride_n=s_out.stride(0), lse_out_stride_h=s_out.stride(1))
+    va, vb, vo, sa, sb, so = v_a.stride(), v_b.stride(), v_out.stride(), s_a.stride(), s_b.stride(), s_out.stride()
+    values = [v_a.data_ptr(), s_a.data_ptr(), v_b.data_ptr(), s_b.data_ptr(), v_out.data_ptr(), s_out.data_ptr(),
+              mask.data_ptr() if mask is not None else 0, rows, heads, va[0], va[1], vb[0], vb[1], vo[0], vo[1],
+              sa[0], sa[1], sb[0], sb[1], so[0], so[1]]  # PARAMS["merge_two"]'s order (asserted below)
     _launch(v_a, "attnjit_merge_state", rows * heads, values)
+
+
+assert PARAMS["merge_two"].names == (
+    "v_a", "lse_a", "v_b", "lse_b", "v_out", "lse_out", "mask", "num_rows", "num_heads", "v_a_stride_n",
+    "v_a_stride_h", "v_b_stride_n", "v_b_stride_h", "v_out_stride_n", "v_out_stride_h", "lse_a_stride_n",
+    "lse_a_stride_h", "lse_b_stride_n", "lse_b_stride_h", "lse_out_stride_n", "lse_out_stride_h")
+assert PARAMS["merge_many"].names == (
+    "v", "lse", "v_out", "lse_out", "num_rows", "num_states", "num_heads", "v_stride_n", "v_stride_s", "v_stride_h",
+    "lse_stride_n", "lse_stride_s", "lse_stride_h", "v_out_stride_n", "v_out_stride_h", "lse_out_stride_n",
+    "lse_out_stride_h")
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,10 +151,8 @@ def merge_states_eager(v, s) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty((rows, heads), dtype=torch.float32, device=v.device)
     if rows * heads == 0:
         return out, lse
-    values = PARAMS["merge_many"].values(
-        v=v.data_ptr(), lse=s.data_ptr(), v_out=out.data_ptr(), lse_out=lse.data_ptr(), num_rows=rows,
-        num_states=states, num_heads=heads, v_stride_n=v.stride(0), v_stride_s=v.stride(1), v_stride_h=v.stride(2),
-        lse_stride_n=s.stride(0), lse_stride_s=s.stride(1), lse_stride_h=s.stride(2), v_out_stride_n=out.stride(0),
-        v_out_stride_h=out.stride(1), lse_out_stride_n=lse.stride(0), lse_out_stride_h=lse.stride(1))
+    vs, ss = v.stride(), s.stride()
+    values = [v.data_ptr(), s.data_ptr(), out.data_ptr(), lse.data_ptr(), rows, states, heads, vs[0], vs[1], vs[2],
+              ss[0], ss[1], ss[2], heads * dim, dim, heads, 1]  # PARAMS["merge_many"]'s order; out, lse dense
     _launch(v, "attnjit_merge_states", rows * heads, values)
     return out, lse

@@ -5,8 +5,9 @@ The wrappers' plan() call these before anything else: scalar options become chec
 ``ValueError``/``TypeError`` (``NotImplementedError`` for FlashInfer features attnjit lacks) that names the
 argument, the rule and what was received, before any allocation proportional to the input's values.
 
-Metadata is read where it lies: a CPU tensor through ``numpy()`` (no copy, strided views included), a device
-tensor with one device-to-host copy. Only the page ids are read by a kernel later, so they alone must become
+Metadata is read where it lies: a CPU tensor through ``numpy()`` (no copy, strided views included), device
+tensors with one device-to-host copy for all of them (device page ids contribute their min and max, reduced on the
+device: ``device_page_range``). Only the page ids are read by a kernel later, so they alone must become
 dense: ``dense_page_ids`` does that (a copy only for a strided view).
 
 Bounds (``LIMITS``), each checked before the work it bounds:
@@ -219,13 +220,45 @@ def check_meta(name: str, t: Any, device: torch.device, length: int | None = Non
 
 def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """Checked metadata -> host tensors: CPU ones as they are, device ones in one device-to-host copy (the one
-    synchronization plan() makes for device metadata)."""
+    synchronization plan() makes for device metadata; 0-d tensors come back as one element)."""
     on_device = [t for t in tensors if t.device.type != "cpu"]
     if not on_device:
         return list(tensors)
     flat = torch.cat([t.reshape(-1) for t in on_device]).cpu()
     parts = iter(torch.split(flat, [t.numel() for t in on_device]))
     return [t if t.device.type == "cpu" else next(parts) for t in tensors]
+
+
+_ARANGE: dict[torch.device, torch.Tensor] = {}  # device -> 0, 1, 2, ... (int32), grown when needed
+
+
+def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(min, max) of the page ids a plan uses, ``indices[:indptr[-1]]``, as 0-d tensors computed where ``indices``
+    lies, so that the one device-to-host copy of the metadata (to_host) carries them; None where there is nothing
+    to range over (no entries or an empty indptr: the checks that follow say what is wrong). With indptr on the
+    device its last entry is not known on the host yet: the entries past it are masked to ``indices[0]`` (a used
+    entry whenever any is used), so garbage past the used part never counts. Any int32 values are safe here: they
+    are checked on the host afterwards (read_paged), and the range is read only for 0 < indptr[-1] <= numel."""
+    n = indices.numel()
+    if n == 0 or indptr.numel() == 0:
+        return None
+    end = indptr[-1]
+    if indptr.device.type == "cpu":
+        used = min(int(end), n)
+        if used <= 0:
+            return None
+        return torch.aminmax(indices[:used])
+    return masked_range(indices, end)
+
+
+def masked_range(indices: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of ``indices[:end]`` for a 0-d ``end`` on indices' device, 0 < end <= numel, without reading
+    ``end`` (no synchronization): the entries past it count as ``indices[0]``."""
+    n = indices.numel()
+    arange = _ARANGE.get(indices.device)
+    if arange is None or arange.numel() < n:
+        arange = _ARANGE[indices.device] = torch.arange(max(n, 1024), dtype=torch.int32, device=indices.device)
+    return torch.aminmax(torch.where(arange[:n] < end, indices, indices[:1]))
 
 
 def _explain_indptr(name: str, v: list[int]) -> None:
@@ -294,7 +327,8 @@ def _paged_lengths(names: tuple[str, str, str], kvp, last, page_size: int):
         if ((last < some) | (last > page_size * some)).any():   # one without pages last == 0
             _explain_last(n_last, kvp.tolist(), last.tolist(), page_size)
         kv_lens = page_size * (pages - some) + last
-        if kv_lens.size and kv_lens.max() > MAX_KV_LEN:
+        # a request's KV length is at most page_size x indptr[-1] (indptr checked): only then is the max needed
+        if page_size * int(kvp[-1]) > MAX_KV_LEN and kv_lens.max() > MAX_KV_LEN:
             _explain_kv_lens(n_indptr, kv_lens.tolist())
         return kv_lens
     kv_lens = []
@@ -308,12 +342,15 @@ def _paged_lengths(names: tuple[str, str, str], kvp, last, page_size: int):
     return np.array(kv_lens, dtype=np.int64)
 
 
-def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp) -> int:
+def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_range=None) -> int:
     """The largest page id of the first ``used`` entries (-1: none); a negative one is an error. Host page ids are
-    read without a copy; device ones need one synchronizing read of their min and max."""
+    read without a copy; device ones through ``page_range`` (device_page_range's min and max, copied to the host
+    with the rest of the metadata), else with a synchronizing read of their min and max."""
     if not used:
         return -1
-    if indices.device.type == "cpu":
+    if page_range is not None and indices.device.type != "cpu":
+        lo, hi = int(page_range[0]), int(page_range[1])
+    elif indices.device.type == "cpu":
         ids = indices[:used]
         if used <= 4 * SMALL:
             ids = ids.tolist()
@@ -333,9 +370,10 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp) -> int
 
 
 def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor, indices: torch.Tensor,
-               last_page_len: torch.Tensor, *, page_size: int) -> Batch:
+               last_page_len: torch.Tensor, *, page_size: int, page_range=None) -> Batch:
     """A page table (indptr [B+1] and last_page_len [B] on the host, indices anywhere; all checked by check_meta)
-    and the query rows qo [B+1] -> the Batch."""
+    and the query rows qo [B+1] -> the Batch. ``page_range``: device page ids' (min, max) from
+    device_page_range, on the host."""
     n_indptr, n_indices, _ = names
     kvp = _values(indptr)
     check_indptr(n_indptr, kvp)
@@ -343,7 +381,7 @@ def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor
     if used > indices.numel():
         raise ValueError(f"{n_indices} has {indices.numel()} entries but {n_indptr}[-1]={used}")
     kv_lens = _paged_lengths(names, kvp, _values(last_page_len), page_size)
-    max_page = _page_id_range(n_indices, indices, used, kvp)
+    max_page = _page_id_range(n_indices, indices, used, kvp, page_range)
     kvp = _array(kvp)
     return Batch(qo_indptr=qo, qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, kv_bases=kvp[:-1], max_page=max_page,
                  num_page_ids=used)

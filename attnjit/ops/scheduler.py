@@ -225,6 +225,9 @@ def _plan_arrays(plan: WorkPlan, q: np.ndarray, k: np.ndarray, tiles: np.ndarray
         recs[:, 11] = kv_bases[order]
         plan.records = recs
         return plan
+    if chunk is not None and len(tiles) and bool((tiles == 1).all()):
+        return _plan_split_rows(plan, q, k, qo_offsets, kv_bases, chunk=chunk, group=group, cta_q=cta_q,
+                                max_slots=max_slots, fixed_chunk=fixed_chunk)
     active = np.flatnonzero(tiles)
     t, q, k = tiles[active], q[active], k[active]
     n = np.where(k > chunk, _ceil(k, chunk), 1) if chunk is not None else np.ones_like(k)
@@ -268,4 +271,44 @@ def _plan_arrays(plan: WorkPlan, q: np.ndarray, k: np.ndarray, tiles: np.ndarray
     recs[:, 10] = k_i
     recs[:, 11] = kv_bases[active][owner]
     plan.records = recs[order]
+    return plan
+
+
+def _plan_split_rows(plan: WorkPlan, q: np.ndarray, k: np.ndarray, qo_offsets: np.ndarray, kv_bases: np.ndarray, *,
+                     chunk: int, group: int, cta_q: int, max_slots: int, fixed_chunk) -> WorkPlan:
+    """_plan_arrays for a split batch whose every request is one q tile (split decode, short prefill rows): the
+    same records with fewer array operations. With one q tile the causal end is the history's end, so an item's
+    cost is rows x its chunk's length, and within a request chunk 0..n-1 is already longest first (every chunk
+    but the last is whole); requests go heaviest first (their chunk 0), ties in request order."""
+    n = np.where(k > chunk, _ceil(k, chunk), 1)
+    count = int(n.sum())
+    _check_count(count, cta_q, chunk, fixed_chunk)
+    split = n > 1
+    slot_need = np.where(split, n * q, 0)
+    plan.num_slots = int(slot_need.sum())
+    _check_slots(plan.num_slots, max_slots)
+    plan.split_requests = plan.num_groups = int(split.sum())   # one split group per split request (its q tile)
+    plan.chunk = chunk if plan.split_requests else None
+    heaviest = np.minimum(cta_q, q * group) * np.maximum(1, np.minimum(k, chunk))
+    order = np.argsort(-heaviest, kind="stable")
+    slot0 = np.where(split, np.cumsum(slot_need) - slot_need, -1)
+    group0 = np.where(split, np.cumsum(split) - 1, -1)
+    n_o = n[order]
+    owner = np.repeat(order, n_o)
+    c = np.arange(count) - np.repeat(np.cumsum(n_o) - n_o, n_o)
+    k_i = k[owner]
+    recs = np.empty((count, 12), dtype=np.int32)
+    recs[:, 0] = owner
+    recs[:, 1] = 0
+    recs[:, 2] = c * chunk
+    recs[:, 3] = np.minimum(k_i, (c + 1) * chunk)
+    recs[:, 4] = slot0[owner]
+    recs[:, 5] = c
+    recs[:, 6] = n[owner]
+    recs[:, 7] = group0[owner]
+    recs[:, 8] = qo_offsets[owner]
+    recs[:, 9] = q[owner]
+    recs[:, 10] = k_i
+    recs[:, 11] = kv_bases[owner]
+    plan.records = recs
     return plan

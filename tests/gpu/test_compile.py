@@ -101,11 +101,15 @@ def test_compiled_decode_step_equals_eager():
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
-def test_reduce_overhead_decode_replays_after_fast_plan():
+@pytest.mark.parametrize("static_cache", [True, False], ids=["static-cache", "copied-cache"])
+def test_reduce_overhead_decode_replays_after_fast_plan(static_cache):
     """mode="reduce-overhead" over a use_cuda_graph=True wrapper's run(): each step re-plans with fast_plan() (host
-    metadata, other lengths and page tables) and the replayed graph matches the reference."""
+    metadata, other lengths and page tables) and the replayed graph matches the reference. A cache that is not
+    marked static is copied into the graph pool while it records: run() must not keep that copy alive."""
     pool = 4000
     cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(8)).to(DT).to(DEV)
+    if static_cache:
+        torch._dynamo.mark_static_address(cache)
     # graph mode keeps every buffer's address: the page-id buffer must hold the largest step's pages
     w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8, device=DEV),
                                                    use_cuda_graph=True,

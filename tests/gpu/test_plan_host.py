@@ -90,6 +90,34 @@ def test_device_metadata_plans_the_same_work_as_host_metadata():
     assert plans[0] == plans[1]
 
 
+def test_device_metadata_is_read_in_one_synchronizing_copy():
+    """Metadata on the device: plan() reads it in one device-to-host copy (the page ids' min and max reduced on the
+    device and carried in it), for decode and paged prefill, page ids past indptr[-1] being garbage."""
+    import warnings
+
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    b = make_paged((5, 1, 9), (40, 17, 3000), page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                   dtype=DT, device=DEV, seed=4)
+    qo, kvp, idx, last = (i32(x, DEV) for x in (b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len))
+    idx = torch.cat([idx, torch.full((7,), -5, dtype=torch.int32, device=DEV)])  # past the used part: ignored
+    decode = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+    prefill = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+    for _ in range(2):  # the first round loads the modules
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                decode.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT)
+                n_decode = sum("synchroniz" in str(w.message) for w in caught)
+                prefill.plan(qo, kvp, idx, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
+                n_prefill = sum("synchroniz" in str(w.message) for w in caught) - n_decode
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert (n_decode, n_prefill) == (1, 1)
+    assert decode._plan.max_page == prefill._plan.max_page == max(i32(b.kv_indices, "cpu").tolist())
+
+
 def test_cuda_graph_decode_replays_after_fast_plan():
     """Capture run() once after plan(); each later step only calls fast_plan() with host metadata (other lengths and
     page tables, a split and an unsplit step among them) and replays: every replay matches the reference."""

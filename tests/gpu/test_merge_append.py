@@ -93,7 +93,8 @@ def test_merge_states(n):
 @pytest.mark.parametrize("layout,page_size,dtype", [("NHD", 16, torch.bfloat16), ("NHD", 1, torch.float16),
                                                      ("HND", 16, torch.float16), ("HND", 8, torch.bfloat16),
                                                      ("NHD", 48, torch.bfloat16), ("HND", 5, torch.float16),
-                                                     ("NHD", 16, torch.float8_e4m3fn), ("HND", 5, torch.float8_e5m2)])
+                                                     ("NHD", 16, torch.float8_e4m3fn), ("HND", 5, torch.float8_e5m2)],
+                         ids=lambda v: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else None)
 def test_append_paged_kv_cache(layout, page_size, dtype):
     """fp8 caches take fp8 tokens (16 elements per 16-byte copy); the comparison is bitwise."""
     gen = torch.Generator().manual_seed(page_size)

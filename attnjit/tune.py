@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import dispatch, families
+from . import dispatch, dtypes, families
 from .cache import Cache
 from .errors import NoGPUError
 from .specs import AttentionSpec
@@ -36,7 +36,7 @@ def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | N
 
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype_q]
+    dt = dtypes.of(spec.dtype_q).torch
     d, hq = spec.head_dim_qk, KV_HEADS * spec.group_size
     q = torch.randn(batch * length, hq, d, dtype=dt, device=dev, generator=gen)
     qo = torch.arange(0, batch * length + 1, length, dtype=torch.int32)

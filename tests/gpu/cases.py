@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from attnjit import dtypes
 from attnjit.specs import AttentionSpec
 
 # The kernel families of the matrix, and the wrapper backend that runs each (FlashInfer's names)
@@ -55,7 +56,7 @@ class Case:
         return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
-        dt = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        dt = dtypes.lookup(self.dtype).name
         dts = dict(dtype_q=dt, dtype_kv=self.kv or dt)
         group = self.heads[0] // self.heads[1]
         if self.kind == "decode":

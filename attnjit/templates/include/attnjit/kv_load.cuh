@@ -278,14 +278,14 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
 // Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (rows of HEAD_DIM bytes) into the 16-bit tile `dst` in
 // the family's swizzled layout, on THREADS threads (tid < THREADS). A thread reads 8 bytes and writes one 16-byte
 // chunk: 8 neighbouring threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct
-// banks).
-template <typename G, int ROWS, int THREADS>
+// banks). UNROLL: chunks in flight per thread (few where the caller holds many live registers).
+template <typename G, int ROWS, int THREADS, int UNROLL>
 __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, int row0, unsigned tid) {
   using T = typename G::T;
   using TKV = typename G::TKV;
   constexpr int CH = G::HEAD_DIM / 8;  // 8-element chunks per row
   static_assert((ROWS * CH) % THREADS == 0, "every thread converts the same number of chunks");
-#pragma unroll 4
+#pragma unroll UNROLL
   for (int n = 0; n < ROWS * CH / THREADS; ++n) {
     const int i = static_cast<int>(tid) + n * THREADS;
     const int r = row0 + i / CH, c = i % CH;

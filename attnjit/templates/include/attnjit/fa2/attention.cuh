@@ -108,7 +108,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
   // fp8, warps splitting the kv tile: this warp's rows of a staged tile into the 16-bit tile
   __device__ __forceinline__ void dequant_own_rows(const uint8_t* staged, int stage) const {
     __syncwarp();  // every lane is done reading the rows this overwrites
-    dequant_rows<Tr, Tr::WARP_COLS, 32>(staged, k_tile(stage), warp_kv * Tr::WARP_COLS, lane);
+    dequant_rows<Tr, Tr::WARP_COLS, 32, 4>(staged, k_tile(stage), warp_kv * Tr::WARP_COLS, lane);
     __syncwarp();
   }
 
@@ -497,21 +497,18 @@ struct AttentionCTA : WorkItem<Tr, P> {
         }
       }
       const int next = i + S - 1;
-      if constexpr (Tr::FP8_KV) {
-        // the next copies first (their stage was converted last iteration), then convert this stage into the
-        // 16-bit tiles, which compute_tile(i - 1) finished reading at the barrier above (attnjit/fa2/traits.cuh:
-        // FP8_WARP_OWNED)
+      if constexpr (Tr::FP8_WARP_OWNED) {
+        // the next copies first (their stage was converted last iteration), then this warp's K rows into the 16-bit
+        // tile (its V rows in pv()), which this warp finished reading in compute_tile(i - 1) (fa2/traits.cuh)
         if (next < num_tiles) issue_kv(next, next % S);
         if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
         cp_async_commit();
-        if constexpr (Tr::FP8_WARP_OWNED) {  // this warp's K rows (its V rows in pv())
-          dequant_own_rows(k_smem(i % S), i % S);
-          if constexpr (V::HAS_KEY_TRANSFORM) __syncthreads();  // the transform below reads every warp's rows
-        } else {
-          dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS>(k_smem(i % S), k_tile(i % S), 0, threadIdx.x);
-          dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS>(v_smem(i % S), v_tile(i % S), 0, threadIdx.x);
-          __syncthreads();
-        }
+        dequant_own_rows(k_smem(i % S), i % S);
+        if constexpr (V::HAS_KEY_TRANSFORM) __syncthreads();  // the transform below reads every warp's rows
+      } else if constexpr (Tr::FP8_KV) {  // K and V into their 16-bit tiles, read by every warp after the barrier
+        dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS, 2>(k_smem(i % S), k_tile(i % S), 0, threadIdx.x);
+        dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS, 2>(v_smem(i % S), v_tile(i % S), 0, threadIdx.x);
+        __syncthreads();
       }
       if constexpr (V::HAS_KEY_TRANSFORM) {  // K(i) is resident in every thread's view: transform it in place
         transform_k_tile<Tr>(*this, k_tile(i % S), kv_begin + i * Tr::CTA_KV, threadIdx.x, Tr::NUM_THREADS);
@@ -525,7 +522,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
             for (int kd = 0; kd < D / 16; ++kd) load_q_frag(qf[mq][kd], mq, kd);
         }
       }
-      if constexpr (!Tr::FP8_KV) {
+      if constexpr (!Tr::FP8_WARP_OWNED) {  // the stage compute_tile(i - 1) read (fp8: converted above)
         if (next < num_tiles) issue_kv(next, next % S);
         if (i + 2 * S - 2 < num_tiles) stage_page_ids<Tr>(*this, i + 2 * S - 2, page_smem(), threadIdx.x);
         cp_async_commit();

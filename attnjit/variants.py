@@ -24,9 +24,6 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
                                    once); a row with no visible key gives o = 0, lse = sink * log2(e)
 Positions are logical: q_pos = kv_len - qo_len + (query index in its request), so causal is kv_pos <= q_pos.
 Snippets may call attnjit::fast_tanh(x) (the hardware tanh.approx) besides CUDA's math functions.
-``uses_sfu=True`` says a hook calls such a special function (tanh, exp, sigmoid) per logit: the sm90 kernels then
-compute a quarter of the softmax's exponentials on the FMA pipe, so the two do not queue on one unit (a hint for
-speed; results agree to 2e-4 relative per weight either way).
 
 The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention, LLaMA RoPE, attention sinks) are
 declared below the same way.
@@ -109,12 +106,12 @@ class Variant:
     use_softmax; parts, the variants a composition applies in order (a plain variant's parts are itself).
     """
 
-    __slots__ = ("name", "params", "hooks", "use_softmax", "uses_sfu", "parts", "_digest")
+    __slots__ = ("name", "params", "hooks", "use_softmax", "parts", "_digest")
 
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
                  output_transform: str | None = None, kv_start: str | None = None, key_transform: str | None = None,
-                 sink: str | None = None, use_softmax: bool = True, uses_sfu: bool = False):
+                 sink: str | None = None, use_softmax: bool = True):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
         declared = {}
@@ -138,8 +135,6 @@ class Variant:
             hooks.append((hook, snippet.strip("\n")))
         if not isinstance(use_softmax, bool):
             raise TypeError(f"variant {name!r}: use_softmax must be True or False")
-        if not isinstance(uses_sfu, bool):
-            raise TypeError(f"variant {name!r}: uses_sfu must be True or False")
         if not use_softmax and not any(h == "logits_transform" for h, _ in hooks):
             raise ValueError(f"variant {name!r}: use_softmax=False needs a logits_transform that returns each key's "
                              "weight (e.g. a sigmoid)")
@@ -149,7 +144,6 @@ class Variant:
         object.__setattr__(self, "params", tuple(declared.items()))
         object.__setattr__(self, "hooks", tuple(hooks))
         object.__setattr__(self, "use_softmax", use_softmax)
-        object.__setattr__(self, "uses_sfu", uses_sfu)
         object.__setattr__(self, "parts", (self,))
 
     # --- identity ------------------------------------------------------------------------------------------
@@ -158,12 +152,9 @@ class Variant:
         def kind(k):
             return k.__name__ if k in (float, int) else k.describe()
 
-        out = {"name": self.name, "params": [[n, kind(k)] for n, k in self.params],
-               "hooks": [list(h) for h in self.hooks], "use_softmax": self.use_softmax,
-               "parts": [p.describe() for p in self.parts] if len(self.parts) > 1 else []}
-        if self.uses_sfu:  # only when set: the digests (and cache keys) of variants without it stay as they were
-            out["uses_sfu"] = True
-        return out
+        return {"name": self.name, "params": [[n, kind(k)] for n, k in self.params], "hooks": [list(h) for h in self.hooks],
+                "use_softmax": self.use_softmax, "parts": [p.describe() for p in self.parts] if len(self.parts) > 1
+                else []}
 
     @property
     def digest(self) -> str:
@@ -270,7 +261,6 @@ def _compose(variants: tuple[Variant, ...]) -> Variant:
     object.__setattr__(v, "params", tuple(x for p in parts for x in p.params))
     object.__setattr__(v, "hooks", ())
     object.__setattr__(v, "use_softmax", all(p.use_softmax for p in parts))
-    object.__setattr__(v, "uses_sfu", any(p.uses_sfu for p in parts))
     object.__setattr__(v, "parts", tuple(parts))
     return v
 
@@ -296,8 +286,7 @@ def resolve(text: str) -> Variant:
 # --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
 
 SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
-                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(logit * (1.f / logits_soft_cap));",
-                  uses_sfu=True)
+                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(logit * (1.f / logits_soft_cap));")
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",

@@ -256,17 +256,3 @@ def test_the_parameter_struct_holds_every_variant_field_in_kernel_order():
         w.run(q, cache, head_scale=scale)
     assert plan.attn_values[layout.index[variant_param_name("head_scale")]] == scale.data_ptr()
     layout.struct.pack(*plan.attn_values)  # packs: every field has a value of its type
-
-
-def test_uses_sfu_hint_is_part_of_identity_only_when_set():
-    """uses_sfu changes the sm90 kernel, so it is part of the digest; left False, a variant's digest (and its cache
-    key) is what it was before the hint existed. A composition uses it when any part does; a non-bool is refused."""
-    snippet = "return c * attnjit::fast_tanh(logit / c);"
-    plain = attnjit.Variant("cap_x", params={"c": float}, logits_transform=snippet)
-    hinted = attnjit.Variant("cap_x", params={"c": float}, logits_transform=snippet, uses_sfu=True)
-    assert not plain.uses_sfu and hinted.uses_sfu
-    assert plain != hinted and plain.digest != hinted.digest
-    assert "uses_sfu" not in plain.describe() and hinted.describe()["uses_sfu"] is True
-    assert V.compose(V.SLIDING_WINDOW, V.SOFTCAP).uses_sfu and not V.compose(V.SLIDING_WINDOW, V.ALIBI).uses_sfu
-    with pytest.raises(TypeError, match="uses_sfu"):
-        attnjit.Variant("cap_y", logits_transform=snippet, uses_sfu=1)

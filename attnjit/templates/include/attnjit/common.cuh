@@ -70,18 +70,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; exact 0 for -inf
   return y;
 }
 
-// 2^x for x <= 0 on the FMA pipe instead of the special-function unit (MUFU), for kernels whose logits hooks already
-// keep that unit busy (tanh soft-cap): x = j + f with j = round(x) (the 1.5 * 2^23 rounding trick), 2^f by a cubic on
-// [-1/2, 1/2] with p(0) = 1 (relative error 2.03e-4, below a bf16 or fp16 rounding of P), j added to the exponent.
-// x <= -127 (and -inf) gives exactly 0: f = 0, p = 1, exponent 127 - 127. Nine FMA-pipe instructions for one MUFU.
-__device__ __forceinline__ float exp2_fma(float x) {
-  x = fmaxf(x, -127.f);
-  const float t = x + 12582912.f;
-  const float f = x - (t - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.05313877f, f, 0.24251288f), f, 0.6937756f), f, 1.f);
-  return __int_as_float(__float_as_int(p) + (__float_as_int(t) << 23));
-}
-
 __device__ __forceinline__ float fast_rcp(float x) {  // 1/x to about 1 ulp (no IEEE slow path)
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -7,8 +7,6 @@
 // The element transforms are called in pairs (query_transform_pair / key_transform_pair: dims d and d + HEAD_DIM/2,
 // each seeing the other as its `pair`), in place on the tile in shared memory, before any matmul reads it. The sink
 // (HAS_SINK) is the row's extra softmax logit: the online softmax starts from it (attnjit/work.cuh, sink_log2).
-// USES_SFU: a hook calls a special function per logit (tanh, exp); the sm90 softmax then moves part of its exp2 from
-// the special-function unit to the FMA pipe (common.cuh, exp2_fma).
 #pragma once
 
 namespace attnjit {
@@ -16,7 +14,7 @@ namespace attnjit {
 struct NoVariant {
   static constexpr bool HAS_QUERY_TRANSFORM = false, HAS_KEY_TRANSFORM = false, HAS_LOGITS_TRANSFORM = false,
                         HAS_LOGITS_MASK = false, HAS_OUTPUT_TRANSFORM = false, HAS_KV_START = false, HAS_SINK = false,
-                        USE_SOFTMAX = true, USES_SFU = false;
+                        USE_SOFTMAX = true;
   template <typename P>
   __device__ explicit NoVariant(const P&) {}
 };

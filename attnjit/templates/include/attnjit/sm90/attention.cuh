@@ -220,10 +220,7 @@ struct Consumer {
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float y = fmaf(s[4 * j + 2 * r + e], sc, -m_safe);
-            // a variant whose logits hook uses the special-function unit (soft-cap's tanh) shares it with exp2:
-            // a quarter of the exponentials go to the FMA pipe instead (variant.cuh, USES_SFU)
-            const float x = V::USES_SFU && j % 4 == 3 ? exp2_fma(y) : fast_exp2(y);
+            const float x = fast_exp2(fmaf(s[4 * j + 2 * r + e], sc, -m_safe));
             s[4 * j + 2 * r + e] = x;
             sum += x;
           }

@@ -149,7 +149,8 @@ USER_BIAS = attnjit.Variant("user_bias", params={"bias": float}, logits_transfor
 VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 30.0}, {}, {"logits_soft_cap": 30.0}, None),
             ("window 1024", {"window_left": 1024}, {}, {"window_left": 1024}, None),
             ("ALiBi", {"pos_encoding_mode": "ALIBI"}, {}, None, None),
-            ("user variant (logit + bias)", {}, {"bias": 0.5}, None, USER_BIAS)]
+            ("user variant (logit + bias)", {}, {"bias": 0.5}, None, USER_BIAS),
+            ("default (again: drift)", {}, {}, {}, None)]
 
 
 def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",),

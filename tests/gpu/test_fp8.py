@@ -66,7 +66,9 @@ def test_v_scale_scales_the_output_and_k_scale_the_logits(workspace, split):
     assert_lse_close(lse4, ref_lse)
     o5, lse5 = _run(w, b, cache)
     ref_o, ref_lse = _ref(b, cache)
-    assert_close(o5, ref_o, torch.bfloat16)
+    # unscaled, the cache holds 32x the data, so the output is 32x larger: compare on the data's scale (dividing by
+    # a power of two is exact), where the bf16 tolerances hold
+    assert_close(o5.double() / 32, ref_o / 32, torch.bfloat16)
     assert_lse_close(lse5, ref_lse)
 
 

@@ -20,6 +20,10 @@ import torch
 from .. import reference
 
 BACKENDS = ("attnjit", "flashinfer", "reference")
+# backends whose plan() takes page ids from the host without a device synchronization (attnjit checks page ids on
+# the host; with device page ids it must read their range back first). FlashInfer's plan() uses the page-id tensor
+# on the device as it is, so it gets the device copy.
+HOST_PAGE_IDS = frozenset({"attnjit", "reference"})
 
 
 def load_ops(name: str):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backends import load_ops
+from .backends import HOST_PAGE_IDS, load_ops
 from .llama import AttnMetadata, LlamaConfig, LlamaWeights, PagedLlama
 from .paging import PageAllocator
 from .scheduler import Request, Scheduler, StepBatch
@@ -57,6 +57,7 @@ class _DecodeGraph:
         self.kv_indptr, self.last = self.buf[2 * b:3 * b + 1], self.buf[3 * b + 1:4 * b + 1]
         self.kv_indices = self.buf[4 * b + 1:]
         self.host_kv_indptr, self.host_last = self.host[2 * b:3 * b + 1], self.host[3 * b + 1:4 * b + 1]
+        self.host_kv_indices = self.host[4 * b + 1:]
         self.batch_indices = torch.arange(b, dtype=torch.int32, device=dev)
         self.meta = AttnMetadata(batch_indices=self.batch_indices, positions=self.positions, kv_indptr=self.kv_indptr,
                                  kv_indices=self.kv_indices, kv_last_page_len=self.last)
@@ -82,8 +83,10 @@ class _DecodeGraph:
         vals = toks + pos + kvp + last + idx           # the buffer's layout, in order
         self.host[:len(vals)] = torch.tensor(vals, dtype=torch.int32)
         self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
-        # plan() reads the indptr arrays from the host copy (no device-to-host copy); the page ids stay on the device
-        e.plan_decode(self.wrapper, self.host_kv_indptr, self.kv_indices[:len(idx)], self.host_last)
+        # plan() reads the indptr arrays from the host copy (no device-to-host copy), and the page ids too where the
+        # backend takes them from the host without a synchronization (engine.host_page_ids)
+        ids = self.host_kv_indices if e.host_page_ids else self.kv_indices
+        e.plan_decode(self.wrapper, self.host_kv_indptr, ids[:len(idx)], self.host_last)
 
     def capture(self, e: Engine) -> None:
         self.fill(e, None)
@@ -116,6 +119,8 @@ class Engine:
         self.device = torch.device(device)
         self.backend = backend
         self.ops = ops if ops is not None else load_ops(backend)
+        # plan() gets the page ids from the host where the backend reads them there without a synchronization
+        self.host_page_ids = ops is None and backend in HOST_PAGE_IDS
         self.page_size = page_size
         self.max_pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:
@@ -167,6 +172,9 @@ class Engine:
         self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, c.num_heads, c.num_kv_heads, c.head_dim,
                           self.page_size, causal=True, **self._plan_args())
 
+    def _page_ids(self, meta: AttnMetadata, host_views: dict) -> torch.Tensor:
+        return host_views["kv_indices"] if self.host_page_ids else meta.kv_indices
+
     def plan_decode(self, wrapper, kv_indptr, kv_indices, last) -> None:
         c = self.config
         wrapper.plan(kv_indptr, kv_indices, last, c.num_heads, c.num_kv_heads, c.head_dim, self.page_size,
@@ -190,7 +198,7 @@ class Engine:
         toks, pos, bidx, _, kvp, last, rows, idx = views
         meta = AttnMetadata(batch_indices=bidx, positions=pos, kv_indptr=kvp, kv_indices=idx, kv_last_page_len=last)
         host_views = {name: host[bounds[i]:bounds[i + 1]] for i, name in ((3, "qo_indptr"), (4, "kv_indptr"),
-                                                                          (5, "last"))}
+                                                                          (5, "last"), (7, "kv_indices"))}
         return toks, meta, rows, host_views
 
     # --- steps ---------------------------------------------------------------------------------------------
@@ -218,10 +226,10 @@ class Engine:
             toks, meta, rows, h = self._upload(batch)
             if batch.decode_only:
                 wrapper = self.decode
-                self.plan_decode(wrapper, h["kv_indptr"], meta.kv_indices, h["last"])
+                self.plan_decode(wrapper, h["kv_indptr"], self._page_ids(meta, h), h["last"])
             else:
                 wrapper = self.prefill
-                self.plan_prefill(h["qo_indptr"], h["kv_indptr"], meta.kv_indices, h["last"])
+                self.plan_prefill(h["qo_indptr"], h["kv_indptr"], self._page_ids(meta, h), h["last"])
             logits = self.model.forward(toks, meta, wrapper, rows)
         next_tokens = logits.argmax(dim=-1).tolist()          # greedy; synchronizes
         dt = time.perf_counter() - t0

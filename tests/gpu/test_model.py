@@ -83,6 +83,24 @@ def test_graph_replay_equals_eager():
         assert (la - lb).abs().max().item() < 2e-2 * la.abs().max().item()
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_plans_from_host_page_ids_without_synchronizing(monkeypatch, graphs):
+    """With attnjit the engine hands plan() the host copy of the page ids, so plan() never reads them back from the
+    device (which synchronizes every step); the run still matches the eager one's tokens."""
+    seen = []
+    real_plan = attnjit.BatchDecodeWithPagedKVCacheWrapper.plan
+
+    def plan(self, indptr, indices, *args, **kw):
+        seen.append((indptr.device.type, indices.device.type))
+        return real_plan(self, indptr, indices, *args, **kw)
+
+    monkeypatch.setattr(attnjit.BatchDecodeWithPagedKVCacheWrapper, "plan", plan)
+    weights = LlamaWeights.random(CONFIG, dtype=torch.bfloat16, device=DEV, seed=13)
+    eng, reqs = _engine(weights, torch.bfloat16, graphs=graphs, workload=STAGGERED)
+    assert eng.host_page_ids and seen and set(seen) == {("cpu", "cpu")}, seen
+    assert all(len(r.generated) == m for r, (_, m, _) in zip(reqs, STAGGERED))
+
+
 def test_strict_mode_after_warming_the_recorded_specs(tmp_path, monkeypatch):
     """The loop in-process: record a run, warm exactly its specs, then strict mode (ATTNJIT_JIT=0) runs with every
     dispatch a disk or memory hit."""

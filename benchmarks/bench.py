@@ -227,6 +227,20 @@ SWEEP_DEEP = [(1, 4, 1, 1, 4, 1, "deep"), (1, 4, 1, 1, 5, 1, "deep"), (1, 4, 1, 
 SMALL_DECODE_ROWS = [(1, 32768), (16, 4096), (4, 16384)]
 
 
+# fp8 decode (narrow) tile variants tried by --fp8-sweep; stages as for 16-bit K/V (fa2.fp8_tile doubles them)
+SWEEP_FP8 = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 3, 3), (1, 4, 1, 1, 2, 3), (1, 4, 1, 1, 2, 4), (1, 4, 1, 2, 2, 2),
+             (1, 8, 1, 1, 2, 1)]
+FP8_SWEEP_ROWS = [(64, 4096), (1, 32768), (32, 16384)]
+
+
+def sweep_fp8(rows) -> list[dict]:
+    from benchmarks import fp8
+
+    return _sweep_tiles("narrow_tile", SWEEP_FP8,
+                        lambda res: fp8.bench_fp8(None, rows, res, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi),
+                        "attnjit_fp8_tbps", 2)
+
+
 def sweep_deep(rows) -> list[dict]:
     return _sweep_tiles("deep_decode_tile", SWEEP_DEEP, lambda res: bench_decode(None, rows, res), "attnjit_tbps", 2)
 
@@ -328,7 +342,13 @@ def main() -> int:
     ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
     ap.add_argument("--order-sweep", action="store_true", help="time prefill work orders (sweep_order)")
     ap.add_argument("--deep-sweep", action="store_true", help="time the deep decode tile variants in SWEEP_DEEP")
+    ap.add_argument("--fp8-sweep", action="store_true", help="time the fp8 decode tile variants in SWEEP_FP8")
     args = ap.parse_args()
+    if args.fp8_sweep:
+        rows = sweep_fp8(FP8_SWEEP_ROWS)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+        return 0
     if args.deep_sweep:
         rows = sweep_deep(SMALL_DECODE_ROWS)
         if args.json:

@@ -13,7 +13,7 @@
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
 #   STAGES: all (= tests,model,bench) or a comma-separated list of smoke (each family on a few batches, under a
 #   timeout), tests, model, bench, sweep (tile variants), order (prefill work orders), dsweep (deep decode tile
-#   variants, small batches), profile (Nsight Compute,
+#   variants, small batches), fsweep (fp8 decode tile variants), profile (Nsight Compute,
 #   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
 #   the benchmark spec); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
@@ -37,8 +37,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|dsweep|profile|tune|plan) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, dsweep, profile, tune, plan; or pack)" >&2; exit 2;;
+  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|profile|tune|plan) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, dsweep, fsweep, profile, tune, plan; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -96,9 +96,10 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
 
-for s in sweep order dsweep; do
+for s in sweep order dsweep fsweep; do
   has $s || continue
   t=$(date +%s); flag=--sweep; [ $s = order ] && flag=--order-sweep; [ $s = dsweep ] && flag=--deep-sweep
+  [ $s = fsweep ] && flag=--fp8-sweep
   python3 benchmarks/bench.py $flag --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
   summary+=("$s (rc=$?, $(( $(date +%s) - t )) s)")
 done
@@ -191,7 +192,7 @@ fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
-for s in sweep order dsweep ncu-summary; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
+for s in sweep order dsweep fsweep ncu-summary; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 [ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
 # the device tool brings back only a few files: everything else travels as one archive

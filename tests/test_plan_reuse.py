@@ -216,8 +216,31 @@ def test_the_masked_page_range_is_the_range_of_the_used_ids():
     assert planner.device_page_range(i32([]), i32([0, 0])) is None
     assert planner.device_page_range(i32([5]), i32([])) is None
     assert planner.device_page_range(i32([5, -1]), i32([0, 0])) is None   # nothing used: nothing to range
-    lo, hi = planner.device_page_range(i32([5, 2, -1]), i32([0, 2]))      # host indptr: the used part only
-    assert (int(lo), int(hi)) == (2, 5)
+    # up to RAW_PAGE_IDS page ids travel to the host as they are (host indptr: the used part only) ...
+    (ids,) = planner.device_page_range(i32([5, 2, -1]), i32([0, 2]))
+    assert ids.tolist() == [5, 2]
+    # (with indptr on the device too, all of them: tests/gpu/test_plan_host.py)
+
+
+def test_many_page_ids_are_reduced_first_and_both_forms_give_the_same_checks(monkeypatch):
+    """Past RAW_PAGE_IDS the device reduces the page ids to (min, max) before the copy; read_paged gives the same
+    largest page id, and the same error for a negative one, from either form (garbage past indptr[-1] ignored)."""
+    from attnjit.ops import planner
+
+    ids, kvp, last = i32([7, 3, 9, 4, -5, 123456]), i32([0, 2, 4]), i32([16, 16])
+    qo = np.arange(3)
+    raw = planner.device_page_range(ids, i32([0, 2, 4]))
+    monkeypatch.setattr(planner, "RAW_PAGE_IDS", 2)
+    reduced = planner.device_page_range(ids, i32([0, 2, 4]))
+    assert len(raw) == 1 and len(reduced) == 2
+    names = ("kv_indptr", "kv_indices", "kv_last_page_len")
+    for rng in (raw, reduced):
+        batch = planner.read_paged(names, qo, kvp, ids, last, page_size=16, page_range=rng)
+        assert batch.max_page == 9
+    bad = i32([7, -3, 9, 4])
+    for rng in (planner.device_page_range(bad, i32([0, 2, 4])), None):
+        with pytest.raises(ValueError, match=r"kv_indices\[1\]=-3"):
+            planner.read_paged(names, qo, kvp, bad, last, page_size=16, page_range=rng)
 
 
 

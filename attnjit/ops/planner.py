@@ -232,9 +232,10 @@ def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
 _ARANGE: dict[torch.device, torch.Tensor] = {}  # device -> 0, 1, 2, ... (int32), grown when needed
 
 
-def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(min, max) of the page ids a plan uses, ``indices[:indptr[-1]]``, as 0-d tensors computed where ``indices``
-    lies, so that the one device-to-host copy of the metadata (to_host) carries them; None where there is nothing
+def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """What the host needs to range the page ids a plan uses, ``indices[:indptr[-1]]``, as tensors on indices'
+    device, so that the one device-to-host copy of the metadata (to_host) carries them: the page ids themselves,
+    ``(ids,)``, up to RAW_PAGE_IDS of them, else their (min, max) as 0-d tensors; None where there is nothing
     to range over (no entries or an empty indptr: the checks that follow say what is wrong). With indptr on the
     device its last entry is not known on the host yet: the entries past it are masked to ``indices[0]`` (a used
     entry whenever any is used), so garbage past the used part never counts. Any int32 values are safe here: they
@@ -247,8 +248,18 @@ def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torc
         used = min(int(end), n)
         if used <= 0:
             return None
+        if used <= RAW_PAGE_IDS:
+            return (indices[:used],)
         return torch.aminmax(indices[:used])
+    if n <= RAW_PAGE_IDS:
+        return (indices,)
     return masked_range(indices, end)
+
+
+# Up to this many device page ids travel to the host themselves, in the one copy of the metadata, and are ranged
+# there (no reduction on the device: each torch call costs the host more than copying 256 KiB); more are reduced
+# to their min and max on the device first.
+RAW_PAGE_IDS = 1 << 16
 
 
 def masked_range(indices: torch.Tensor, end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +359,9 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_r
     with the rest of the metadata), else with a synchronizing read of their min and max."""
     if not used:
         return -1
-    if page_range is not None and indices.device.type != "cpu":
+    if page_range is not None and len(page_range) == 1:   # the page ids themselves, copied to the host
+        indices = page_range[0]
+    if page_range is not None and len(page_range) == 2 and indices.device.type != "cpu":
         lo, hi = int(page_range[0]), int(page_range[1])
     elif indices.device.type == "cpu":
         ids = indices[:used]

@@ -15,6 +15,7 @@ import warnings
 from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
 
 from . import knobs
 from .build import restore_signals
@@ -259,10 +260,17 @@ def cmd_cache(args) -> int:
         print(f"{verb} {len(items)} entries from {cache.root}")
         return 0
     if args.action == "prune":
-        if args.max_bytes is None and args.built_by is None:
-            _err("cache prune needs --max-bytes SIZE (e.g. 500M) or --built-by TOOLCHAIN (see attnjit cache list)")
+        if args.max_bytes is None and args.built_by is None and not args.keep:
+            _err("cache prune needs --max-bytes SIZE (e.g. 500M), --built-by TOOLCHAIN (see attnjit cache list) or "
+                 "--keep CATALOG")
             return 2
-        removed, remaining = prune(cache, args.max_bytes, built_by=args.built_by, dry_run=args.dry_run)
+        keep = None
+        if args.keep:  # the keys the catalogs build now (rendered and hashed: no nvcc runs)
+            from .jit import job_for
+
+            specs = _specs(SimpleNamespace(catalogs=args.keep, spec=None, arch=args.arch, max_specs=args.max_specs))
+            keep = frozenset(job_for(s).key for s in specs)
+        removed, remaining = prune(cache, args.max_bytes, built_by=args.built_by, keep=keep, dry_run=args.dry_run)
         for item in removed if args.dry_run else ():
             print(f"{verb} {item.dir}")
         print(f"{verb} {len(removed)} entries; {remaining} bytes ({format_size(remaining)}) remain in {cache.root}")
@@ -459,6 +467,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--built-by", metavar="TOOLCHAIN",
                    help="prune: remove the entries this toolchain built (an id from cache list: 'nvcc 13.0 V13.0.88', "
                         "V13.0.88 or 13.0)")
+    p.add_argument("--keep", action="append", metavar="CATALOG",
+                   help="prune: remove every entry these catalogs (files or shipped names; repeatable) do not build "
+                        "now, e.g. the kernels of an older attnjit or of specs no longer listed")
+    p.add_argument("--arch", type=_arch_list, help="prune --keep: the target arch(s) of specs that name none, as for "
+                                                    "warm")
+    p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS, help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="clear/prune: list what would be removed, remove nothing")
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_cache)

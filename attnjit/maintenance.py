@@ -94,18 +94,20 @@ def clear(cache: Cache, *, dry_run: bool = False) -> list[Item]:
 
 
 def prune(cache: Cache, max_bytes: int | None = None, *, built_by: str | None = None,
-          dry_run: bool = False) -> tuple[list[Item], int]:
-    """(entries removed, bytes remaining). Entries built by ``built_by`` go; then, for ``max_bytes``, bad entries
+          keep: frozenset[str] | None = None, dry_run: bool = False) -> tuple[list[Item], int]:
+    """(entries removed, bytes remaining). Entries built by ``built_by`` go, and with ``keep`` (cache keys: what
+    catalogs build now) every entry whose key is not in it, bad ones included; then, for ``max_bytes``, bad entries
     first and then the least recently used, until the rest fit."""
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-    if max_bytes is None and built_by is None:
-        raise ValueError("prune needs max_bytes or built_by")
+    if max_bytes is None and built_by is None and keep is None:
+        raise ValueError("prune needs max_bytes, built_by or keep")
     items = _items(cache) if cache.root.is_dir() else []
     doomed, rest = [], []
     for i in items:
         by = built_by is not None and i.manifest is not None and toolchain_matches(i.manifest, built_by)
-        (doomed if by else rest).append(i)
+        stale = keep is not None and len(i.dir.name) > 2 and i.dir.name not in keep  # (2: a shard not listed)
+        (doomed if by or stale else rest).append(i)
     rest.sort(key=lambda i: (i.manifest is not None, i.used))  # bad, then oldest
     total = sum(i.size for i in rest)
     if max_bytes is not None:

@@ -26,6 +26,8 @@ what=${1:-all}; shift || true
 if [ "$what" = pack ]; then   # on the build machine: warm both caches and compress them into .carry (cubins ~15x)
   set -e
   ATTNJIT_CACHE_DIR=.device-cache python3 -m attnjit.cli warm specs/gpu-tests.toml specs/bench.toml
+  # entries of earlier sources (a header changed) would travel too: keep only what the catalogs build now
+  python3 -m attnjit.cli cache prune --keep specs/gpu-tests.toml --keep specs/bench.toml --cache-dir .device-cache
   rm -rf .llama-cache && ATTNJIT_CACHE_DIR=.llama-cache python3 -m attnjit.cli warm specs/llama-example.toml
   mkdir -p .carry
   for c in device-cache llama-cache; do tar -C ".$c" -cf - . | xz -T0 -6 >".carry/$c.tar.xz"; done

@@ -150,8 +150,8 @@ def test_cache_list_verify_prune_clear(golden, tmp_path):
     assert proc.stdout.strip() == f"removed 1 entries; {keep} bytes ({keep / 1024:.1f} KiB) remain in {root}"
     proc = run_cli("cache", "prune", "--cache-dir", root)
     assert proc.returncode == 2 and error_lines(proc.stderr) == [
-        "attnjit: error: cache prune needs --max-bytes SIZE (e.g. 500M) or --built-by TOOLCHAIN (see attnjit cache "
-        "list)"]
+        "attnjit: error: cache prune needs --max-bytes SIZE (e.g. 500M), --built-by TOOLCHAIN (see attnjit cache "
+        "list) or --keep CATALOG"]
     for bad in ("-1", "5X", "lots"):
         proc = run_cli("cache", "prune", "--max-bytes", bad, "--cache-dir", root)
         assert proc.returncode == 2 and proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
@@ -372,3 +372,26 @@ def test_warm_of_an_absurd_catalog_says_the_count(tmp_path):
     assert "expands to 122,880 specs, more than the 100,000" in line and "--max-specs" in line
     proc = run_cli("render", catalog, "--max-specs", "10", timeout=30)
     assert proc.returncode == 1 and "more than the 10 a catalog may hold" in error_lines(proc.stderr)[0]
+
+
+def test_cache_prune_keep_removes_what_the_catalogs_no_longer_build(golden, tmp_path):
+    """prune --keep CATALOG: every entry the catalogs do not build now goes (keys rendered and hashed, no nvcc),
+    listed first with --dry-run; the kept ones stay and still verify."""
+    from attnjit.specs import dump_catalog
+
+    root = golden.copy(tmp_path / "cache")
+    catalog = tmp_path / "now.toml"
+    catalog.write_text(dump_catalog([MERGE_FP16, APPEND_FP16]))
+    proc = run_cli("cache", "prune", "--keep", catalog, "--dry-run", "--cache-dir", root)
+    assert proc.returncode == 0, proc.stderr
+    gone = {entry_dir(root, golden.key(s)) for s in (MERGE_BF16, PREFILL_D64)}
+    assert {ln.split(" ", 2)[2] for ln in proc.stdout.splitlines()[:-1]} == {str(d) for d in gone}
+    assert all(d.exists() for d in gone), "--dry-run removed something"
+    proc = run_cli("cache", "prune", "--keep", catalog, "--cache-dir", root)
+    assert proc.returncode == 0 and proc.stdout.startswith("removed 2 entries"), proc.stdout + proc.stderr
+    cache = Cache(root, layers=())
+    assert [s for s in golden.specs if cache.lookup(golden.key(s))] == [s for s in golden.specs
+                                                                        if s in (MERGE_FP16, APPEND_FP16)]
+    assert run_cli("cache", "verify", "--cache-dir", root).stdout.strip() == "2 entries checked, 0 bad"
+    proc = run_cli("cache", "prune", "--cache-dir", root)
+    assert proc.returncode == 2 and "--keep CATALOG" in proc.stderr

@@ -233,7 +233,7 @@ def test_an_unreadable_entry_is_a_miss_not_a_permission_error(tmp_path, make_unr
 
 
 def test_a_file_that_changes_size_while_read_is_refused(tmp_path, monkeypatch):
-    d = fake_entry(tmp_path / "root")
+    fake_entry(tmp_path / "root")
     real_fstat = os.fstat
 
     def shrunk_view(fd):  # the file claims to be larger than what can be read

@@ -338,15 +338,18 @@ class _AttentionWrapper(FlashInferAliases):
             variant_args(plan, self._device, variant_params or {}, want_lse)
         return plan
 
-    def _run_compiled(self, q, k, v, out, lse, return_lse: bool, variant_params: dict):
+    def _run_compiled(self, q, k, v, out, lse, return_lse: bool, variant_params: dict, k_scale=None, v_scale=None):
         """run() while torch.compile traces: the torch.ops.attnjit op that runs this wrapper's plan (ops/library.py).
-        Reads nothing of the plan here, so a new plan() does not make torch.compile recompile."""
+        Reads nothing of the plan here, so a new plan() does not make torch.compile recompile. k_scale / v_scale
+        travel as a float (specialized by torch.compile, like any Python float) or a tensor (read at run time)."""
         if variant_params:
             raise NotImplementedError(f"run-time variant parameters ({sorted(variant_params)}) are not supported "
                                       "inside torch.compile; bind the values at plan() (a built-in option) or run "
                                       "eagerly")
+        ks, kt = split_scale(k_scale)
+        vs, vt = split_scale(v_scale)
         if out is None:
-            out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None)
+            out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None, ks, vs, kt, vt)
             if lse is not None:
                 lse.copy_(lse_)
             else:
@@ -354,7 +357,7 @@ class _AttentionWrapper(FlashInferAliases):
         else:
             if lse is None and return_lse:
                 lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
-            torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse)
+            torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse, ks, vs, kt, vt)
         return (out, lse) if return_lse else out
 
     def _require_gpu(self, plan: Plan) -> None:
@@ -362,6 +365,12 @@ class _AttentionWrapper(FlashInferAliases):
         if not plan.on_gpu:
             raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
                              "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
+
+def split_scale(scale):
+    """run()'s k_scale / v_scale (None, a float or a tensor) as the torch.ops' (float?, Tensor?) pair (a bad value
+    is the eager run()'s named error when the op runs)."""
+    return (None, scale) if isinstance(scale, torch.Tensor) else (scale, None)
+
 
 class _PagedMixin:
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
@@ -383,10 +392,8 @@ class _PagedMixin:
         if torch.compiler.is_compiling():
             if window_left is not None:
                 raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
-            if k_scale is not None or v_scale is not None:
-                raise NotImplementedError("run(k_scale=, v_scale=) inside torch.compile is not supported; run eagerly")
             k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
-            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params, k_scale, v_scale)
         plan = self._current_plan(variant_params, return_lse, lse)
         if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "

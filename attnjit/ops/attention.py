@@ -255,9 +255,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
         variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
-            if k_scale is not None or v_scale is not None:
-                raise NotImplementedError("run(k_scale=, v_scale=) inside torch.compile is not supported; run eagerly")
-            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params)
+            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params, k_scale, v_scale)
         plan = self._current_plan(variant_params, return_lse, lse)
         for name, t in (("k", k), ("v", v)):
             check_tensor(name, t, dtype=plan.kv_dtype, dim=3, device=self._device)

@@ -30,8 +30,10 @@ from . import _handles
 LIB = torch.library.Library("attnjit", "DEF")
 
 SCHEMAS = {
-    "batch_run": "batch_run(int handle, Tensor q, Tensor k, Tensor? v, bool want_lse) -> (Tensor, Tensor)",
-    "batch_run_out": "batch_run_out(int handle, Tensor q, Tensor k, Tensor? v, Tensor(a!) out, Tensor(b!)? lse) -> ()",
+    "batch_run": "batch_run(int handle, Tensor q, Tensor k, Tensor? v, bool want_lse, float? k_scale=None, "
+                 "float? v_scale=None, Tensor? k_scale_t=None, Tensor? v_scale_t=None) -> (Tensor, Tensor)",
+    "batch_run_out": "batch_run_out(int handle, Tensor q, Tensor k, Tensor? v, Tensor(a!) out, Tensor(b!)? lse, "
+                     "float? k_scale=None, float? v_scale=None, Tensor? k_scale_t=None, Tensor? v_scale_t=None) -> ()",
     "single_prefill": "single_prefill(Tensor q, Tensor k, Tensor v, bool causal, str kv_layout, float? sm_scale, "
                       "int window_left, float? logits_soft_cap, str pos_encoding_mode, bool want_lse) "
                       "-> (Tensor, Tensor)",
@@ -57,25 +59,34 @@ def _cache(k: Tensor, v: Tensor | None):
 
 # --- real implementations: the eager code ----------------------------------------------------------------------
 
-def _batch_run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, want_lse: bool):
+def _scales(k_scale, v_scale, k_scale_t, v_scale_t) -> dict:
+    return {"k_scale": k_scale_t if k_scale_t is not None else k_scale,
+            "v_scale": v_scale_t if v_scale_t is not None else v_scale}
+
+
+def _batch_run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, want_lse: bool, k_scale=None, v_scale=None,
+               k_scale_t=None, v_scale_t=None):
     w = _handles.lookup(handle)
+    scales = _scales(k_scale, v_scale, k_scale_t, v_scale_t)
     try:
         if w._op_kind == "ragged":
-            result = w.run(q, k, v, return_lse=want_lse)
+            result = w.run(q, k, v, return_lse=want_lse, **scales)
         else:
-            result = w.run(q, _cache(k, v), return_lse=want_lse)
+            result = w.run(q, _cache(k, v), return_lse=want_lse, **scales)
     finally:
         _forget_inputs(w)
     return result if want_lse else (result, _no_lse(q))
 
 
-def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Tensor, lse: Tensor | None) -> None:
+def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Tensor, lse: Tensor | None,
+                   k_scale=None, v_scale=None, k_scale_t=None, v_scale_t=None) -> None:
     w = _handles.lookup(handle)
+    scales = _scales(k_scale, v_scale, k_scale_t, v_scale_t)
     try:
         if w._op_kind == "ragged":
-            w.run(q, k, v, out=out, lse=lse, return_lse=lse is not None)
+            w.run(q, k, v, out=out, lse=lse, return_lse=lse is not None, **scales)
         else:
-            w.run(q, _cache(k, v), out=out, lse=lse, return_lse=lse is not None)
+            w.run(q, _cache(k, v), out=out, lse=lse, return_lse=lse is not None, **scales)
     finally:
         _forget_inputs(w)
 
@@ -131,7 +142,7 @@ def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache
 
 # --- fake implementations: shapes and dtypes -----------------------------------------------------------------
 
-def _fake_batch_run(handle, q, k, v, want_lse):
+def _fake_batch_run(handle, q, k, v, want_lse, *scales):
     plan = _handles.lookup(handle)._plan
     if plan is None:
         raise RuntimeError("torch.ops.attnjit.batch_run: the wrapper has no plan; call plan() before the compiled "

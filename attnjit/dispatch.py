@@ -225,12 +225,11 @@ class Launch:
     """A prepared launch: kernel, grid, block and a parameter buffer. Calling it packs and launches, nothing more."""
 
     def __init__(self, op: str, kernel: Kernel, grid: tuple[int, int, int], block: tuple[int, int, int] | None = None,
-                 smem: int | None = None, plan: dict[str, Any] | None = None):
+                 smem: int | None = None):
         self.op, self.kernel, self.grid = op, kernel, tuple(int(g) for g in grid)
         self.block = block or (kernel.info.threads, 1, 1)
         self.smem = kernel.info.smem if smem is None else smem
-        self.plan = plan
-        self.decide: Any = None  # or a function giving the plan's decisions, asked only when a record is made
+        self.decide: Any = None  # a function giving the plan's decisions for the record, asked only when one is made
         self.layout = kernel.layout
         self._buf = ctypes.create_string_buffer(self.layout.size)
         self._argv = (ctypes.c_void_p * 1)(ctypes.addressof(self._buf))
@@ -256,7 +255,7 @@ class Launch:
             _emit(DispatchRecord(op=self.op, spec=module.spec.canonical(), key=module.key, kernel=self.kernel.info.name,
                                  binary=how, compile_ms=compile_ms, load_ms=load_ms, grid=self.grid,
                                  block=tuple(self.block), smem=self.smem,
-                                 plan=self.plan if self.decide is None else self.decide(),
+                                 plan=None if self.decide is None else self.decide(),
                                  built_by=module.binary.entry.toolchain))
 
 

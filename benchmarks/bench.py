@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -33,22 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
 from benchmarks import cascade, fp8, pagesize, prefill  # noqa: E402
+from benchmarks.tables import decode_row, paged_tables  # noqa: E402
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
 PREFILL_ROWS = [(1, 8192), (8, 2048), (32, 512)]
-
-
-def paged_tables(batch: int, kv_len: int, seed: int = 0):
-    pages_per = -(-kv_len // PS)
-    total = batch * pages_per
-    ids = list(range(total))
-    random.Random(seed).shuffle(ids)
-    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
-    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
-    last = torch.full((batch,), kv_len - PS * (pages_per - 1), dtype=torch.int32, device="cuda")
-    cache = torch.randn(total, 2, PS, H_KV, D, dtype=DT, device="cuda")
-    return indptr, indices, last, cache
 
 
 def load_flashinfer():
@@ -62,30 +50,9 @@ def load_flashinfer():
 
 
 def bench_decode(fi, rows, results):
-    ws = _ws()
     for batch, kv_len in rows:
-        indptr, indices, last, cache = paged_tables(batch, kv_len)
-        q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
-        kv_bytes = batch * kv_len * H_KV * D * 2 * 2
-        row = {"op": "decode", "shape": f"{batch}x{kv_len}", "kv_bytes": kv_bytes}
-        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
-        w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
-        out = torch.empty_like(q)
-        row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out))
-        row["attnjit_plan"] = w.last_plan
-        if fi is not None:
-            fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
-            fw.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
-            fout = torch.empty_like(q)
-            row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
-            ref = fout.float()
-            row["max_diff_vs_flashinfer"] = (out.float() - ref).abs().max().item()
-        for k in ("attnjit", "flashinfer"):
-            if f"{k}_ms" in row:
-                row[f"{k}_tbps"] = kv_bytes / (row[f"{k}_ms"] * 1e-3) / 1e12
-        results.append(row)
-        del cache
-        torch.cuda.empty_cache()
+        results.append({"op": "decode", **decode_row(fi, batch, kv_len, page_size=PS, time_ms=time_ms, ws=_ws(),
+                                                     ws_fi=ws_fi, dtype=DT)})
 
 
 _workspaces: dict[str, torch.Tensor] = {}
@@ -338,37 +305,23 @@ def main() -> int:
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
     ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--sweep", action="store_true", help="time the prefill tile variants in SWEEP")
-    ap.add_argument("--grid-sweep", action="store_true", help="time prefill with persistent grids (sweep_grid)")
-    ap.add_argument("--order-sweep", action="store_true", help="time prefill work orders (sweep_order)")
-    ap.add_argument("--deep-sweep", action="store_true", help="time the deep decode tile variants in SWEEP_DEEP")
-    ap.add_argument("--fp8-sweep", action="store_true", help="time the fp8 decode tile variants in SWEEP_FP8")
+    sweeps = {  # flag -> (help, the sweep): each a tuning aid that times its variants and exits
+        "sweep": ("time the prefill tile variants in SWEEP",
+                  lambda: sweep_prefill(PREFILL_ROWS) + sweep_decode(DECODE_ROWS)),
+        "grid_sweep": ("time prefill with persistent grids (sweep_grid)", lambda: sweep_grid(PREFILL_ROWS)),
+        "order_sweep": ("time prefill work orders (sweep_order)", lambda: sweep_order(PREFILL_ROWS)),
+        "deep_sweep": ("time the deep decode tile variants in SWEEP_DEEP", lambda: sweep_deep(SMALL_DECODE_ROWS)),
+        "fp8_sweep": ("time the fp8 decode tile variants in SWEEP_FP8", lambda: sweep_fp8(FP8_SWEEP_ROWS)),
+    }
+    for flag, (text, _) in sweeps.items():
+        ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=text)
     args = ap.parse_args()
-    if args.fp8_sweep:
-        rows = sweep_fp8(FP8_SWEEP_ROWS)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return 0
-    if args.deep_sweep:
-        rows = sweep_deep(SMALL_DECODE_ROWS)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return 0
-    if args.order_sweep:
-        rows = sweep_order(PREFILL_ROWS)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return 0
-    if args.grid_sweep:
-        rows = sweep_grid(PREFILL_ROWS)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return 0
-    if args.sweep:
-        rows = sweep_prefill(PREFILL_ROWS) + sweep_decode(DECODE_ROWS)
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1))
-        return 0
+    for flag, (_, run) in sweeps.items():
+        if getattr(args, flag):
+            rows = run()
+            if args.json:
+                Path(args.json).write_text(json.dumps(rows, indent=1))
+            return 0
     fi = None if args.no_flashinfer else load_flashinfer()
     fi_skip = frozenset(filter(None, args.fi_skip.split(",")))
     t0 = time.time()

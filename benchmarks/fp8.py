@@ -13,33 +13,22 @@ read the same quantized cache; max_diff_vs_flashinfer is their outputs' largest 
 
 from __future__ import annotations
 
-import random
 from typing import Callable
 
 import torch
+
+from benchmarks.tables import paged_tables
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 1 / 48, 1 / 40   # the cache holds k / K_SCALE: unit-variance keys stay inside e4m3's range
 
 
-def _tables(batch: int, kv_len: int, seed: int = 0):
-    pages_per = -(-kv_len // PS)
-    total = batch * pages_per
-    ids = list(range(total))
-    random.Random(seed).shuffle(ids)
-    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
-    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
-    last = torch.full((batch,), kv_len - PS * (pages_per - 1), dtype=torch.int32, device="cuda")
-    return indptr, indices, last, total
-
-
 def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
     import attnjit
 
     for batch, kv_len in rows:
-        indptr, indices, last, total = _tables(batch, kv_len)
-        cache = torch.randn(total, 2, PS, H_KV, D, dtype=DT, device="cuda")
+        indptr, indices, last, cache = paged_tables(batch, kv_len, page_size=PS, dtype=DT)
         cache8 = torch.empty(cache.shape, dtype=FP8, device="cuda")
         cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
         cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)

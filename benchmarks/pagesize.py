@@ -10,55 +10,23 @@ in TB/s of KV read.
 
 from __future__ import annotations
 
-import random
 from typing import Callable
 
 import torch
 
-H_Q, H_KV, D, DT = 32, 8, 128, torch.bfloat16
+from benchmarks.tables import decode_row
+
+DT = torch.bfloat16
 PAGE_SIZES = (32, 48, 64, 512, 528)
 ROWS = ((64, 4096), (16, 4096))
 NEAREST = {48: (32, 64), 528: (512,)}
 
 
-def _tables(batch: int, kv_len: int, page_size: int, seed: int = 0):
-    pages_per = -(-kv_len // page_size)
-    total = batch * pages_per
-    ids = list(range(total))
-    random.Random(seed).shuffle(ids)
-    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
-    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
-    last = torch.full((batch,), kv_len - page_size * (pages_per - 1), dtype=torch.int32, device="cuda")
-    cache = torch.randn(total, 2, page_size, H_KV, D, dtype=DT, device="cuda")
-    return indptr, indices, last, cache
-
-
 def bench_page_sizes(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
-    import attnjit
-
     for batch, kv_len in ROWS:
         for ps in PAGE_SIZES:
-            indptr, indices, last, cache = _tables(batch, kv_len, ps)
-            q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
-            kv_bytes = batch * kv_len * H_KV * D * 2 * 2
-            row = {"op": "decode page size", "shape": f"{batch}x{kv_len}", "page_size": ps, "kv_bytes": kv_bytes}
-            w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
-            w.plan(indptr, indices, last, H_Q, H_KV, D, ps, q_data_type=DT)
-            out = torch.empty_like(q)
-            row["attnjit_ms"] = time_ms(lambda: w.run(q, cache, out=out))
-            row["attnjit_plan"] = w.last_plan
-            if fi is not None:
-                fw = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
-                fw.plan(indptr, indices, last, H_Q, H_KV, D, ps, q_data_type=DT, kv_data_type=DT)
-                fout = torch.empty_like(q)
-                row["flashinfer_ms"] = time_ms(lambda: fw.run(q, cache, out=fout))
-                row["max_diff_vs_flashinfer"] = (out.float() - fout.float()).abs().max().item()
-            for k in ("attnjit", "flashinfer"):
-                if f"{k}_ms" in row:
-                    row[f"{k}_tbps"] = kv_bytes / (row[f"{k}_ms"] * 1e-3) / 1e12
-            results.append(row)
-            del cache
-            torch.cuda.empty_cache()
+            row = decode_row(fi, batch, kv_len, page_size=ps, time_ms=time_ms, ws=ws, ws_fi=ws_fi, dtype=DT)
+            results.append({"op": "decode page size", "page_size": ps, **row})
     by = {(r["shape"], r["page_size"]): r for r in results if r["op"] == "decode page size"}
     for (shape, ps), r in by.items():
         if ps in NEAREST:

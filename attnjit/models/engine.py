@@ -85,8 +85,8 @@ class _DecodeGraph:
         self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
         # plan() reads the indptr arrays from the host copy (no device-to-host copy), and the page ids too where the
         # backend takes them from the host without a synchronization (engine.host_page_ids)
-        ids = self.host_kv_indices if e.host_page_ids else self.kv_indices
-        e.plan_decode(self.wrapper, self.host_kv_indptr, ids[:len(idx)], self.host_last)
+        e.plan_decode(self.wrapper, self.host_kv_indptr, e.page_ids(self.kv_indices, self.host_kv_indices)[:len(idx)],
+                      self.host_last)
 
     def capture(self, e: Engine) -> None:
         self.fill(e, None)
@@ -172,8 +172,9 @@ class Engine:
         self.prefill.plan(qo_indptr, kv_indptr, kv_indices, last, c.num_heads, c.num_kv_heads, c.head_dim,
                           self.page_size, causal=True, **self._plan_args())
 
-    def _page_ids(self, meta: AttnMetadata, host_views: dict) -> torch.Tensor:
-        return host_views["kv_indices"] if self.host_page_ids else meta.kv_indices
+    def page_ids(self, device_ids: torch.Tensor, host_ids: torch.Tensor) -> torch.Tensor:
+        """The page ids plan() gets: the host copy where the backend reads them there (host_page_ids)."""
+        return host_ids if self.host_page_ids else device_ids
 
     def plan_decode(self, wrapper, kv_indptr, kv_indices, last) -> None:
         c = self.config
@@ -226,10 +227,10 @@ class Engine:
             toks, meta, rows, h = self._upload(batch)
             if batch.decode_only:
                 wrapper = self.decode
-                self.plan_decode(wrapper, h["kv_indptr"], self._page_ids(meta, h), h["last"])
+                self.plan_decode(wrapper, h["kv_indptr"], self.page_ids(meta.kv_indices, h["kv_indices"]), h["last"])
             else:
                 wrapper = self.prefill
-                self.plan_prefill(h["qo_indptr"], h["kv_indptr"], self._page_ids(meta, h), h["last"])
+                self.plan_prefill(h["qo_indptr"], h["kv_indptr"], self.page_ids(meta.kv_indices, h["kv_indices"]), h["last"])
             logits = self.model.forward(toks, meta, wrapper, rows)
         next_tokens = logits.argmax(dim=-1).tolist()          # greedy; synchronizes
         dt = time.perf_counter() - t0

@@ -31,7 +31,6 @@ from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
 class _Prepared:
     """What one plan key fixes (``_AttentionWrapper._prepare``); shared by the plans of the key, never changed."""
 
-    kernel: Any               # dispatch.Kernel, or None without a GPU
     slots: int                # resident CTAs over all SMs
     sched: dict               # plan_work's arguments that do not depend on the lengths
     launch: Any               # dispatch.Launch, or None without a GPU
@@ -182,7 +181,7 @@ class _AttentionWrapper(FlashInferAliases):
             spec = with_family(spec, family)
         spec = self._with_tile(spec)
         if self._use_cuda_graph:
-            self._check_graph_plan(spec, batch, page_ids)
+            self._check_graph_plan(spec, batch)
 
         def capacity(t) -> int:  # resident CTAs of tile t over all SMs
             return self._kernel_for(spec, t, sms)[1]
@@ -242,7 +241,7 @@ class _AttentionWrapper(FlashInferAliases):
             self._tuned[spec] = out
         return out
 
-    def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch, page_ids: torch.Tensor | None) -> None:
+    def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch) -> None:
         """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
         graph = self._graph_plan()
         if graph is not None and spec != graph.spec:
@@ -295,7 +294,7 @@ class _AttentionWrapper(FlashInferAliases):
         if kernel is not None:
             assert len(values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
         persistent = getattr(families.get(spec.family), "PERSISTENT", False)
-        return _Prepared(kernel=kernel, slots=slots, sched=sched, launch=launch, layout=layout, values=values,
+        return _Prepared(slots=slots, sched=sched, launch=launch, layout=layout, values=values,
                          persistent=persistent, count=self._use_cuda_graph or persistent,
                          bound_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.bound],
                          variant_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required],
@@ -360,6 +359,17 @@ class _AttentionWrapper(FlashInferAliases):
             torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse, ks, vs, kt, vt)
         return (out, lse) if return_lse else out
 
+    def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
+                    stride0: int, stride1: int):
+        """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch."""
+        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        post = kv_scales(plan, self._device, k_scale, v_scale)
+        self._require_gpu(plan)
+        launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse)
+        if post is not None:
+            out.mul_(post)
+        return (out, lse) if return_lse else out
+
     def _require_gpu(self, plan: Plan) -> None:
         """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""
         if not plan.on_gpu:
@@ -399,13 +409,8 @@ class _PagedMixin:
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
-        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
-        post = kv_scales(plan, self._device, k_scale, v_scale)
-        self._require_gpu(plan)
-        launch(plan, q, qs, cache.k_ptr, cache.v_ptr, cache.stride_page, cache.stride_inner, out, os_, lse)
-        if post is not None:
-            out.mul_(post)
-        return (out, lse) if return_lse else out
+        return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
+                                cache.stride_page, cache.stride_inner)
 
     _op_kind = "paged"
 

@@ -21,7 +21,7 @@ import torch
 from ..variants import Variant
 from . import planner as P
 from ._common import check_tensor, check_vectors, unsupported
-from ._running import check_q_out, kv_scales, launch, vector_ready
+from ._running import vector_ready
 from ._variants import with_sinks
 from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
 
@@ -177,7 +177,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         if plan is None:
             raise RuntimeError("fast_plan() called before plan(): it keeps that plan's heads, dtypes and options")
         batch = self._read_decode(indptr, indices, last_page_len, plan.page_size)
-        self._check_graph_plan(plan.spec, batch, indices)
+        self._check_graph_plan(plan.spec, batch)
         work = _schedule(batch, plan.sched)
         if plan.on_gpu:
             self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=plan.num_kv_heads,
@@ -267,12 +267,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                 check_vectors(name, t, (0, 1))
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
-        out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
-        post = kv_scales(plan, self._device, k_scale, v_scale)
-        self._require_gpu(plan)
-        launch(plan, q, qs, k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), out, os_, lse)
-        if post is not None:
-            out.mul_(post)
-        return (out, lse) if return_lse else out
+        return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
+                                k.stride(0), k.stride(1))
 
     _op_kind = "ragged"

@@ -59,44 +59,30 @@ def _cache(k: Tensor, v: Tensor | None):
 
 # --- real implementations: the eager code ----------------------------------------------------------------------
 
-def _scales(k_scale, v_scale, k_scale_t, v_scale_t) -> dict:
-    return {"k_scale": k_scale_t if k_scale_t is not None else k_scale,
-            "v_scale": v_scale_t if v_scale_t is not None else v_scale}
+def _run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, scales: tuple, **kwargs):
+    """The wrapper's eager run() on the op's arguments (ragged: k and v; paged: the cache)."""
+    w = _handles.lookup(handle)
+    k_scale, v_scale, k_scale_t, v_scale_t = scales
+    kwargs.update(k_scale=k_scale_t if k_scale_t is not None else k_scale,
+                  v_scale=v_scale_t if v_scale_t is not None else v_scale)
+    try:
+        return w.run(q, k, v, **kwargs) if w._op_kind == "ragged" else w.run(q, _cache(k, v), **kwargs)
+    finally:
+        # an op body keeps no reference to its inputs: under mode="reduce-overhead" a KV cache that is not a static
+        # address is a copy in the CUDA-graph pool while the graph records, and run()'s memo of the last cache
+        # would keep that copy alive ("tensor(s) in the cudagraph pool not tracked as outputs")
+        w._cache_memo = None
 
 
 def _batch_run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, want_lse: bool, k_scale=None, v_scale=None,
                k_scale_t=None, v_scale_t=None):
-    w = _handles.lookup(handle)
-    scales = _scales(k_scale, v_scale, k_scale_t, v_scale_t)
-    try:
-        if w._op_kind == "ragged":
-            result = w.run(q, k, v, return_lse=want_lse, **scales)
-        else:
-            result = w.run(q, _cache(k, v), return_lse=want_lse, **scales)
-    finally:
-        _forget_inputs(w)
+    result = _run(handle, q, k, v, (k_scale, v_scale, k_scale_t, v_scale_t), return_lse=want_lse)
     return result if want_lse else (result, _no_lse(q))
 
 
 def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Tensor, lse: Tensor | None,
                    k_scale=None, v_scale=None, k_scale_t=None, v_scale_t=None) -> None:
-    w = _handles.lookup(handle)
-    scales = _scales(k_scale, v_scale, k_scale_t, v_scale_t)
-    try:
-        if w._op_kind == "ragged":
-            w.run(q, k, v, out=out, lse=lse, return_lse=lse is not None, **scales)
-        else:
-            w.run(q, _cache(k, v), out=out, lse=lse, return_lse=lse is not None, **scales)
-    finally:
-        _forget_inputs(w)
-
-
-def _forget_inputs(w) -> None:
-    """An op body keeps no reference to its inputs: under mode="reduce-overhead" a KV cache that is not a static
-    address is a copy in the CUDA-graph pool while the graph records, and run()'s memo of the last cache would keep
-    that copy alive ("tensor(s) in the cudagraph pool not tracked as outputs")."""
-    if hasattr(w, "_cache_memo"):
-        w._cache_memo = None
+    _run(handle, q, k, v, (k_scale, v_scale, k_scale_t, v_scale_t), out=out, lse=lse, return_lse=lse is not None)
 
 
 def _single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap, pos_encoding_mode, want_lse):

@@ -11,11 +11,10 @@ import torch
 from .. import dispatch
 from ..generator import PARAMS
 from ..specs import HEAD_DIMS
-from ._common import (SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors, require_cuda,
-                      spec_for)
+from ._common import (COMPUTE_DTYPES, SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors,
+                      require_cuda, spec_for)
 
 _BLOCK = 128
-_V_DTYPES = (torch.float16, torch.bfloat16)
 _launches = dispatch.module_memo()  # (dtype, head_dim, device index) -> {kernel name: Launch}: per call one lookup
 
 
@@ -37,7 +36,7 @@ def _launch(v: torch.Tensor, kernel: str, rows_heads: int, values: list) -> None
 def _v_ready(v, dim: int, device) -> bool:
     """The common case of _check_v in one test: fp16/bf16, ``dim``-D, on ``device``, a supported head dim, the last
     dim contiguous, 16-byte aligned with 16-byte strides (8 elements) along the other dims."""
-    if type(v) is not torch.Tensor or v.dtype not in _V_DTYPES or v.dim() != dim \
+    if type(v) is not torch.Tensor or v.dtype not in COMPUTE_DTYPES or v.dim() != dim \
             or (device is not None and v.device != device):
         return False
     shape, stride = v.shape, v.stride()
@@ -48,7 +47,7 @@ def _v_ready(v, dim: int, device) -> bool:
 def _check_v(name: str, v, dim: int, device=None) -> torch.Tensor:
     if _v_ready(v, dim, device):
         return v
-    check_tensor(name, v, dtype=_V_DTYPES, dim=dim, device=device)
+    check_tensor(name, v, dtype=COMPUTE_DTYPES, dim=dim, device=device)
     check_head_dim(f"{name}.shape[-1] (head_dim)", v.shape[-1])
     if v.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {v.stride()}")

@@ -23,12 +23,10 @@ from typing import Any
 
 import torch
 
-from ..generator import PARAMS
 from . import planner as P
 from .planner import _LOG2E
 from .attention import BatchPrefillWithPagedKVCacheWrapper
 
-_SCALE = PARAMS["attention"].index["sm_scale_log2"]
 
 
 class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper):
@@ -83,5 +81,5 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
             scale = plan.settings["sm_scale"] if sm_scale is None else P.as_real("sm_scale", sm_scale)
             if not (math.isfinite(scale) and scale > 0):
                 raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-            plan.attn_values[_SCALE] = plan.sm_scale_log2 = scale * _LOG2E  # run()'s k_scale multiplies the latter
+            plan.sm_scale_log2 = scale * _LOG2E  # the struct's field, from run()'s kv_scales (times a float k_scale)
         return super().run(q, paged_kv_cache, sinks=sinks, **kwargs)

@@ -52,7 +52,7 @@ template <typename T, typename TKV>
 __device__ __forceinline__ uint32_t fp8x2_to(uint16_t x) {
   const uint32_t h = fp8x2_to_half2<TKV>(x);
   if constexpr (is_bf16<T>::value) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    const float2 f = unpack2<__half>(h);
     return pack2<T>(f.x, f.y);
   } else {
     return h;
@@ -68,12 +68,6 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
   out.z = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.y & 0xffffu));
   out.w = fp8x2_to<T, TKV>(static_cast<uint16_t>(raw.y >> 16));
   return out;
-}
-
-// 8 bytes global -> shared (cp.async.ca: the 16-byte form is .cg only); when !pred, zero-filled and nothing read.
-__device__ __forceinline__ void cp_async_8(uint32_t dst, const void* src, bool pred) {
-  const int bytes = pred ? 8 : 0;
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(bytes));
 }
 
 }  // namespace attnjit

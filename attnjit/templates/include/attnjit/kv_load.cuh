@@ -148,8 +148,7 @@ __device__ __forceinline__ void stage_page_ids(const Item& it, int tile, int32_t
       const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices);
       const int32_t* src = indices + it.kv_base + page0 + k;
       const uint32_t dst = smem_u32(ring + (tile % G::PAGE_RING) * G::PAGES_PER_TILE + k);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(valid ? src : indices),
-                   "r"(valid ? 4 : 0));
+      cp_async_ca<4>(dst, valid ? src : indices, valid);
     }
   }
 }
@@ -260,8 +259,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
           if constexpr (LOAD_K) cp_async_16(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
           if constexpr (LOAD_V) cp_async_16(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
         } else {
-          if constexpr (LOAD_K) cp_async_8(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
-          if constexpr (LOAD_V) cp_async_8(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
+          if constexpr (LOAD_K) cp_async_ca<8>(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_ca<8>(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
         }
       }
     } else {

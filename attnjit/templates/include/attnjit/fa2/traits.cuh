@@ -55,9 +55,7 @@ struct AttentionTraits {
   static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
   // tile loads (Q, K, V): 8 threads per row, thread t copies chunks t % 8 + 8 j (j < CHUNKS / 8) of one row, so
   // 8 neighbouring threads write 8 different bank groups, and one address serves a row's CHUNKS / 8 copies
-  static constexpr int LOAD_CPT = CHUNKS / 8;                     // 16-byte copies per thread per row
   static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / 8;        // rows one pass of the CTA's threads covers
-  static constexpr int KV_PASSES = CTA_KV / KV_ROWS_PER_PASS;
   static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
   // the shared loaders' geometry (attnjit/kv_load.cuh): every thread copies; rows are contiguous in shared memory
   static constexpr int LOAD_THREADS = NUM_THREADS;

@@ -305,23 +305,32 @@ struct Consumer {
     issue_pv(vr.stage);
   }
 
+  // S(j) alone in a turn, then its softmax: P(j) packed for P V.
+  __device__ __forceinline__ void s_alone(Ring<Tr::NUM_STAGES>& kr, int j, float scale2) {
+    qk_turn(kr, j);
+    pass_turn();
+    wgmma_wait<0>();
+    done_with_k(kr);
+    softmax(j, scale2);
+    pack_p();
+  }
+  // P V of the packed P alone in a turn (O rescaled by that tile's alpha first).
+  __device__ __forceinline__ void pv_alone(Ring<Tr::NUM_STAGES>& vr) {
+    rescale_o();
+    wait_full(sm.v_full(vr.stage), vr.phase);
+    take_turn();
+    pv_issue(vr);
+    pass_turn();
+    wgmma_wait<0>();
+    done_with_v(vr);
+  }
+
   // The item's kv tiles, one at a time: S(j), its softmax, P(j) V(j); each GEMM one turn at the tensor cores.
   // (For head_dim 256, whose 128 O registers leave no room for S(j) and P(j-1) at once.)
   __device__ __forceinline__ void mainloop_serial(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
     for (int j = 0; j < it.num_tiles; ++j) {
-      qk_turn(kr, j);
-      pass_turn();
-      wgmma_wait<0>();
-      done_with_k(kr);
-      softmax(j, scale2);
-      pack_p();
-      rescale_o();
-      wait_full(sm.v_full(vr.stage), vr.phase);
-      take_turn();
-      pv_issue(vr);
-      pass_turn();
-      wgmma_wait<0>();
-      done_with_v(vr);
+      s_alone(kr, j, scale2);
+      pv_alone(vr);
     }
   }
 
@@ -330,12 +339,7 @@ struct Consumer {
     if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
     const int n = it.num_tiles;
     if (n == 0) return;
-    qk_turn(kr, 0);
-    pass_turn();
-    wgmma_wait<0>();
-    done_with_k(kr);
-    softmax(0, scale2);
-    pack_p();
+    s_alone(kr, 0, scale2);
     for (int j = 1; j < n; ++j) {
       qk_turn(kr, j);
       rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
@@ -349,13 +353,7 @@ struct Consumer {
       done_with_v(vr);
       pack_p();
     }
-    rescale_o();
-    wait_full(sm.v_full(vr.stage), vr.phase);
-    take_turn();
-    pv_issue(vr);
-    pass_turn();
-    wgmma_wait<0>();
-    done_with_v(vr);
+    pv_alone(vr);
   }
 
   // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile and

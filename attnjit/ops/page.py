@@ -13,7 +13,7 @@ from ..specs import MAX_PAGE_SIZE
 from .planner import INT32_MAX, check_indptr
 
 
-_launches: dict[tuple, dispatch.Launch] = {}
+_launches = dispatch.module_memo()  # (dtype, head_dim, page_size, layout, device index) -> Launch: one lookup a call
 
 
 def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Tensor,
@@ -105,13 +105,13 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
     require_cuda("append_paged_kv_cache", "paged_kv_cache", cache.k)
     if nnz == 0:
         return
-    spec = spec_for(op="append_kv", head_dim=cache.head_dim, page_size=cache.page_size,
-                    dtype_kv=SPEC_DTYPE[cache.k.dtype], layout=kv_layout, arch=dispatch.device_arch(dev))
-    mod = dispatch.module(spec, dev)
-    launch = _launches.get((spec, mod.device_index))
-    if launch is None or launch.kernel.module is not mod:  # first call, or the module was reloaded
-        launch = dispatch.Launch("append_kv", mod.kernels["attnjit_append_kv"], (1, 1, 1))
-        _launches[(spec, mod.device_index)] = launch
+    key = (cache.k.dtype, cache.head_dim, cache.page_size, kv_layout, cache.k.get_device())
+    launch = _launches.get(key)
+    if launch is None:
+        spec = spec_for(op="append_kv", head_dim=cache.head_dim, page_size=cache.page_size,
+                        dtype_kv=SPEC_DTYPE[cache.k.dtype], layout=kv_layout, arch=dispatch.device_arch(dev))
+        mod = dispatch.module(spec, dev)
+        launch = _launches[key] = dispatch.Launch("append_kv", mod.kernels["attnjit_append_kv"], (1, 1, 1))
     threads = nnz * cache.num_kv_heads * (cache.head_dim * cache.k.element_size() // 16)  # one per 16 bytes
     launch.grid = (-(-threads // 128), 1, 1)
     launch(PARAMS["append"].values(

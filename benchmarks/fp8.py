@@ -4,6 +4,8 @@ Workload: the decode rows of bench.py (H_q 32, H_kv 8, head_dim 128, bf16 q and 
 shuffled), with the cache in e4m3 (k_scale, v_scale Python floats, so nothing syncs). Timed in one process:
   * attnjit bf16: the same batch over a bf16 cache (the baseline of the ratio);
   * attnjit e4m3: BatchDecodeWithPagedKVCacheWrapper(kv_data_type=torch.float8_e4m3fn), run(k_scale=, v_scale=);
+  * attnjit e4m3 with fp16 q and out (the same cache): the fp8 -> 16-bit conversion is one instruction per two
+    values for fp16, three more for bf16;
   * FlashInfer e4m3, both of its decode paths: use_tensor_cores=True (its fa2 prefill module with an fp8 KV type)
     and False (its CUDA-core decode module); the row compares against the faster.
 Figures: KV tokens/s (batch * kv_len / time), the fp8 / bf16 ratio of attnjit (target >= 1.8: the same TB/s of half
@@ -47,6 +49,11 @@ def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, w
         row["attnjit_ms"] = time_ms(lambda: w8.run(q, cache8, out=out8, k_scale=K_SCALE, v_scale=V_SCALE))
         row["attnjit_plan"] = w8.last_plan
         row["max_diff_vs_attnjit_bf16"] = (out8.float() - out16.float()).abs().max().item()  # quantization error
+        wh = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+        wh.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=torch.float16, kv_data_type=FP8)
+        qh = q.half()
+        outh = torch.empty_like(qh)
+        row["attnjit_fp16q_ms"] = time_ms(lambda: wh.run(qh, cache8, out=outh, k_scale=K_SCALE, v_scale=V_SCALE))
         if fi is not None:
             for tc in (True, False):
                 key = f"flashinfer_{'tc' if tc else 'cuda_cores'}"
@@ -66,6 +73,7 @@ def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, w
                 row[f"{k}_tokens_per_s"] = tokens / (row[f"{k}_ms"] * 1e-3)
         row["fp8_over_bf16"] = row["attnjit_tokens_per_s"] / row["attnjit_bf16_tokens_per_s"]
         row["attnjit_fp8_tbps"] = row["fp8_bytes"] / (row["attnjit_ms"] * 1e-3) / 1e12
+        row["attnjit_fp16q_fp8_tbps"] = row["fp8_bytes"] / (row["attnjit_fp16q_ms"] * 1e-3) / 1e12
         results.append(row)
         del cache8
         torch.cuda.empty_cache()
@@ -73,7 +81,7 @@ def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, w
 
 def table(rows) -> str:
     lines = ["| shape | attnjit bf16 Mtok/s | attnjit e4m3 Mtok/s | e4m3 / bf16 | e4m3 TB/s | FlashInfer e4m3 Mtok/s "
-             "(tc / cuda cores) | attnjit / FlashInfer |", "|---|---|---|---|---|---|---|"]
+             "(tc / cuda cores) | attnjit / FlashInfer | e4m3 TB/s, fp16 q |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         f = r.get("flashinfer_tokens_per_s")
         tc = r.get("flashinfer_tc_ms")
@@ -84,5 +92,5 @@ def table(rows) -> str:
         ratio = f"{r['attnjit_tokens_per_s'] / f:.2f}" if f else "-"
         lines.append(f"| {r['shape']} | {r['attnjit_bf16_tokens_per_s'] / 1e6:.0f} | "
                      f"{r['attnjit_tokens_per_s'] / 1e6:.0f} | {r['fp8_over_bf16']:.2f} | {r['attnjit_fp8_tbps']:.2f} | "
-                     f"{fi_s} | {ratio} |")
+                     f"{fi_s} | {ratio} | {r['attnjit_fp16q_fp8_tbps']:.2f} |")
     return "\n".join(lines)

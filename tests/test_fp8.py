@@ -118,6 +118,35 @@ def test_sm90a_fp8_decode_uses_the_hardware_convert_and_does_not_spill(tmp_path)
 
 
 @pytest.mark.nvcc
+def test_bf16_q_over_fp8_multiplies_in_fp16_from_registers(tmp_path):
+    """The fp8 bytes go from the staged tile into fp16 mma operands (fa2/fp8_frags.cuh): every tensor-core op of a
+    bf16-q fp8 decode is fp16, the high half of an ldmatrix word is converted in place (R.H1, no shift), and the
+    K and V fragments come from ldmatrix (plain and transposed) on the staged bytes."""
+    _, sass = _compile(tmp_path, AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE))
+    hmma = re.findall(r"HMMA\.16816\.F32(\.BF16)?", sass)
+    assert hmma and not any(hmma), "a bf16 mma in the fp8 kernel"
+    assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B R\d+, R\d+\.H1", sass)
+    assert "LDSM.16.MT88.4" in sass and "LDSM.16.M88.4" in sass
+
+
+def test_fp8_tiles_convert_in_registers_unless_a_key_transform():
+    from attnjit import variants
+    from attnjit.families import fa2
+
+    plain = AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE)
+    assert all(t.fp8_in_regs and t.kv_bytes == 1 for t in fa2.tiles(plain))
+    assert [t.tag for t in fa2.tiles(plain)] == [""]  # no deep tile: slower for fp8 on the H200 (fa2.tiles)
+    rope = plain.replace(variant=variants.ROPE_LLAMA)  # a key transform rewrites K in shared memory
+    assert fa2.tiles(rope) and not any(t.fp8_in_regs for t in fa2.tiles(rope))
+    assert [t.tag for t in fa2.tiles(rope)] == [""]
+    sixteen = AttentionSpec(dtype="bf16", arch="sm_90a", **DECODE)
+    assert not any(t.fp8_in_regs for t in fa2.tiles(sixteen))
+    # the staged fp8 rows are padded by 16 bytes; converted in shared memory, the 16-bit tile comes on top
+    t_regs, t_smem = fa2.tiles(plain)[0], fa2.tiles(rope)[0]
+    assert t_smem.smem - t_regs.smem == t_regs.cta_kv * 128 * 2 - 128
+
+
+@pytest.mark.nvcc
 @pytest.mark.parametrize("spec", [
     AttentionSpec(dtype_q="fp16", dtype_kv="e5m2", arch="sm_80", **DECODE),
     AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv="e4m3", mask="causal",

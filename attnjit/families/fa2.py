@@ -53,7 +53,10 @@ class Tile:
     stages: int
     min_blocks: int
     tag: str = ""   # tells apart two tiles of one shape in one module (e.g. "deep": a longer pipeline)
-    kv_bytes: int = 2  # bytes per KV element as stored (1: fp8, converted into one 16-bit K and V tile)
+    kv_bytes: int = 2  # bytes per KV element as stored (1: fp8)
+    # fp8: converted in registers on the way into the mma (fa2/fp8_frags.cuh); False where a key transform rewrites
+    # K in shared memory, so the stages are converted into 16-bit K and V tiles first (fa2/traits.cuh FP8_IN_REGS)
+    fp8_in_regs: bool = False
 
     @property
     def cta_q(self) -> int:
@@ -70,14 +73,17 @@ class Tile:
     @property
     def smem(self) -> int:
         d = self.head_dim
-        # fp8: the ring holds the bytes as stored, plus the 16-bit tile(s) they are converted into (one where warps
-        # split the kv tile and each converts its own rows of K, then of V; else K and V: fa2/traits.cuh)
-        dequant = (1 if self.warps_kv > 1 else 2) * self.cta_kv * d * 2 if self.kv_bytes == 1 else 0
-        pipe = 2 * self.stages * self.cta_kv * d * self.kv_bytes + dequant
+        # fp8: the ring holds the bytes as stored in rows padded by 16 bytes, and, converted in shared memory, the
+        # 16-bit tile(s) they become (one where warps split the kv tile and each converts its own rows of K, then of
+        # V; else K and V: fa2/traits.cuh)
+        fp8 = self.kv_bytes == 1
+        dequant = (1 if self.warps_kv > 1 else 2) * self.cta_kv * d * 2 if fp8 and not self.fp8_in_regs else 0
+        pipe = 2 * self.stages * self.cta_kv * (d + 16 if fp8 else 2 * d) + dequant
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
         pages_per_tile = pages_per_tile_of(self.cta_kv, self.page_size) if self.page_size else 0
         page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128
-        return self.cta_q * d * 2 + page_smem + max(pipe, merge)
+        qscale = -(-self.cta_q * 4 // 128) * 128 if fp8 and self.fp8_in_regs else 0  # rows' q scales (bf16 q)
+        return self.cta_q * d * 2 + page_smem + qscale + max(pipe, merge)
 
     @property
     def name(self) -> str:
@@ -119,14 +125,15 @@ def wide_tile(head_dim: int, page_size: int) -> Tile:
                 min_blocks=2 if head_dim == 64 else 1)
 
 
-def fp8_tile(tile: Tile, kv_bytes: int) -> Tile:
+def fp8_tile(tile: Tile, kv_bytes: int, in_regs: bool = True) -> Tile:
     """The tile for a cache of ``kv_bytes`` per element. fp8 where warps split the kv tile (decode): twice the
     stages in flight (2S - 1 stages), so the same bytes are in flight as for 16-bit K/V (a memory-bound kernel needs
-    bytes, not tiles, in flight), in about the same shared memory (half-size stages plus one 16-bit tile)."""
+    bytes, not tiles, in flight), in about the same shared memory (half-size stages, plus one 16-bit tile where
+    they are converted in shared memory). ``in_regs``: see ``Tile.fp8_in_regs``."""
     if kv_bytes == 2:
         return tile
     stages = 2 * tile.stages - 1 if tile.warps_kv > 1 else tile.stages
-    return replace(tile, kv_bytes=kv_bytes, stages=stages)
+    return replace(tile, kv_bytes=kv_bytes, stages=stages, fp8_in_regs=in_regs)
 
 
 @functools.lru_cache(maxsize=512)
@@ -134,14 +141,15 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     """Kernel instances a spec's module holds, narrowest first (memoized: plan() asks every step)."""
     page_size = spec.page_size or 0
     kv_bytes = dtypes.of(spec.dtype_kv).bytes
-    narrow = fp8_tile(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes)
+    in_regs = not (spec.variant and spec.variant.hook("key_transform"))
+    narrow = fp8_tile(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes, in_regs)
     if spec.op == "decode":
-        # fp8 KV: no deep tile. Its one CTA of 4 warps per SM also converts every byte it loads, and measured on the
-        # H200 it read fewer tokens/s than the bf16 deep tile (1x32768 605 vs 796 Mtok/s, 32x16384 752 vs 1105);
-        # split fp8 batches take the narrow tile, 2 CTAs per SM
+        # fp8 KV: no deep tile. Measured on the H200 (TB/s of fp8 bytes, narrow / deep): converted in registers,
+        # 16x4096 2.98 / 2.66, 32x16384 3.78 / 3.01, 1x32768 2.02 / 2.02; in shared memory the deep tile read fewer
+        # tokens/s than the bf16 one (1x32768 605 vs 796 Mtok/s). Split fp8 batches take the narrow tile, 2 CTAs/SM
         deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size) if kv_bytes == 2 else None
-        return (narrow, fp8_tile(deep, kv_bytes)) if deep else (narrow,)
-    wide = replace(wide_tile(spec.head_dim_qk, page_size), kv_bytes=kv_bytes)
+        return (narrow, fp8_tile(deep, kv_bytes, in_regs)) if deep else (narrow,)
+    wide = replace(wide_tile(spec.head_dim_qk, page_size), kv_bytes=kv_bytes, fp8_in_regs=kv_bytes == 1 and in_regs)
     return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
 
 

@@ -287,6 +287,7 @@ class ServingCase:
     causal: bool = True
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
+    kv: str | None = None       # an fp8 cache (paged, decode): with a key transform it is converted in shared memory
 
     @property
     def builtin_variant(self):
@@ -296,12 +297,12 @@ class ServingCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return ("fa2",) if self.kind == "decode" else FAMILIES
+        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         kind = "paged" if self.kind == "sink_wrapper" else self.kind
         base = replace(_P if kind == "paged" else _R if kind == "ragged" else _D, dtype=self.dtype,
-                       causal=self.causal and kind != "decode")
+                       causal=self.causal and kind != "decode", kv=self.kv)
         return base.spec(family).replace(variant=self.builtin_variant)
 
 
@@ -311,6 +312,8 @@ SERVING = [
     ServingCase("rope-ragged-fp16", "ragged", "rope", dtype=torch.float16),
     ServingCase("rope-decode", "decode", "rope"),
     ServingCase("rope-scaled-decode-split", "decode", "rope_scaled", split="force"),
+    ServingCase("rope-decode-fp8-e4m3", "decode", "rope", kv="e4m3"),
+    ServingCase("rope-paged-fp8-e5m2-split", "paged", "rope", split="force", kv="e5m2"),
     ServingCase("sink-paged", "paged", "sink"),
     ServingCase("sink-window-paged-split", "paged", "sink_window", split="force"),
     ServingCase("sink-ragged-noncausal", "ragged", "sink", False),

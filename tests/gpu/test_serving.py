@@ -1,6 +1,7 @@
 """Issue 14 on the GPU against float64 references written here in torch, independently of the kernels: RoPE inside
 attention (q and k rotated, FlashInfer's ROPE_LLAMA), attention sinks (with and without a sliding window, prefill
-and decode, split and not, both families; each case also proves the sink changes the output), decode batches with
+and decode, split and not, both families; each case also proves the sink changes the output; RoPE over an fp8
+cache, the one fp8 path that converts in shared memory), decode batches with
 empty histories, use_tensor_cores, and FlashInfer's aliases."""
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 import attnjit
-from attnjit import reference
+from attnjit import dtypes, reference
 from attnjit.reference import Hooks
 
-from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
+from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, poisoned,
+                       quantize_cache)
 from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, SERVING_MATRIX, ServingCase
 
 DEV = "cuda"
@@ -46,12 +48,14 @@ def sink_values(seed: int) -> torch.Tensor:
     return torch.linspace(-3.0, 9.0, H_Q)[torch.randperm(H_Q, generator=gen)].contiguous()
 
 
-def hooks_for(case: ServingCase, sinks: torch.Tensor | None) -> Hooks:
+def hooks_for(case: ServingCase, sinks: torch.Tensor | None, k_scale: float = 1.0) -> Hooks:
     if case.feature in ROPE:
         scale, theta = ROPE[case.feature]
-        # the kernel stores the rotated q and k in their dtype before the matmuls (documented), as does this
+        # the kernel stores the rotated q and k in their dtype before the matmuls (documented), as does this; an fp8
+        # cache's keys are rotated as stored (k_scale multiplies the logits), so the rounding is of k / k_scale
         return Hooks(query=lambda q, p: rope_reference(q, p.q_pos, scale, theta).to(case.dtype).double(),
-                     key=lambda k, p: rope_reference(k, p.kv_pos, scale, theta).to(case.dtype).double())
+                     key=lambda k, p: rope_reference(k / k_scale, p.kv_pos, scale, theta).to(case.dtype).double()
+                     * k_scale)
     s = sinks.double().to(DEV)
     if case.feature == "sink":
         return Hooks(sink=lambda p: s)
@@ -76,7 +80,7 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
     backend = BACKEND[family]
     dtype = case.dtype
     sinks = sink_values(seed).to(DEV) if case.feature.startswith("sink") else None
-    hooks = hooks_for(case, sinks)
+    hooks = hooks_for(case, sinks, fp8_scales("float", H_KV, DEV)[0] if case.kv else 1.0)
     run_kw = {"sinks": sinks} if sinks is not None and case.kind != "sink_wrapper" else {}
     causal = case.causal and case.kind != "decode"
     if case.kind == "ragged":
@@ -96,10 +100,15 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
                        device=DEV, seed=seed)
         qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
         out, lse = poisoned(b.q.shape, dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+        cache, fp8_plan, fp8_run = b.cache, {}, {}
+        if case.kv:  # an fp8 cache with a key transform: converted to q's type in shared memory, then rotated
+            ks, vs = fp8_scales("float", H_KV, DEV)
+            cache = quantize_cache(b.cache, ks, vs, "NHD", dtypes.of(case.kv).torch)
+            fp8_plan, fp8_run = {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
         if case.kind == "decode":
             w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, backend=backend)
-            w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **plan_args(case))
-            w.run(b.q, b.cache, out=out, lse=lse, **run_kw)
+            w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **fp8_plan, **plan_args(case))
+            w.run(b.q, cache, out=out, lse=lse, **run_kw, **fp8_run)
         elif case.kind == "sink_wrapper":
             w = attnjit.BatchAttentionWithAttentionSinkWrapper(workspace, backend=backend, q_data_type=dtype,
                                                                kv_data_type=dtype, head_dim_qk=D, head_dim_vo=D,
@@ -109,12 +118,13 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
             w.run(b.q, b.cache, sinks, 1.0 / math.sqrt(D), out=out, lse=lse)  # FlashInfer's positional form
         else:
             w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
-            w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=causal, q_data_type=dtype, **plan_args(case))
-            w.run(b.q, b.cache, out=out, lse=lse, **run_kw)
-        args = (b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
-        ref_o, ref_lse = reference.batch_paged(*args, page_size=16, causal=causal, hooks=hooks)
+            w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=causal, q_data_type=dtype, **fp8_plan,
+                   **plan_args(case))
+            w.run(b.q, cache, out=out, lse=lse, **run_kw, **fp8_run)
+        args = (b.q, cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+        ref_o, ref_lse = reference.batch_paged(*args, page_size=16, causal=causal, hooks=hooks, **fp8_run)
         plain_hooks = Hooks(mask=hooks.mask) if case.feature == "sink_window" else None
-        plain_o, _ = reference.batch_paged(*args, page_size=16, causal=causal, hooks=plain_hooks)
+        plain_o, _ = reference.batch_paged(*args, page_size=16, causal=causal, hooks=plain_hooks, **fp8_run)
     torch.cuda.synchronize()
     assert w.last_plan["family"] == family and w._plan.spec == case.spec(family)
     if case.split == "force":

@@ -12,9 +12,10 @@
 // tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile. Slot k
 // of a tile's ring entry holds page page_of(kv0) + k (any page size, attnjit/paged.cuh).
 //
-// An fp8 cache (TKV of one byte) is copied as stored into a staging tile of rows of HEAD_DIM bytes (row r at
-// r * HEAD_DIM, unswizzled; the same 8 threads per row, each HEAD_DIM / 8 bytes: 8- or 16-byte copies), and
-// dequant_rows converts a staged tile's rows into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
+// An fp8 cache (TKV of one byte) is copied as stored into a staging tile of rows of G::KV_ROW_BYTES (row r at
+// r * KV_ROW_BYTES, unswizzled; the same 8 threads per row, each HEAD_DIM / 8 bytes: 8- or 16-byte copies). The
+// family reads it from there into its mma operands (fa2/fp8_frags.cuh), or dequant_rows converts a staged tile's
+// rows into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/fp8.cuh"
@@ -200,7 +201,7 @@ __device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageI
 // Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs, reading page ids from page_id(s)
 // (RingPageIds or RegPageIds). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
 // LOAD_K / LOAD_V: which of the two to copy (a producer that feeds K and V through separate rings copies one).
-// fp8: ks / vs are staging tiles (rows of HEAD_DIM bytes).
+// fp8: ks / vs are staging tiles (rows of G::KV_ROW_BYTES, the first HEAD_DIM of them the row's bytes).
 template <typename G, bool LOAD_K = true, bool LOAD_V = true, typename Item, typename PageIds>
 __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const PageIds& page_id,
                                           unsigned tid) {
@@ -252,7 +253,7 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
       off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
     }
     if constexpr (FP8) {
-      const uint32_t dst = r * D + c0 * CB;  // copy j: bytes (c0 + 8 j) * CB of the row
+      const uint32_t dst = r * G::KV_ROW_BYTES + c0 * CB;  // copy j: bytes (c0 + 8 j) * CB of the row
 #pragma unroll
       for (int j = 0; j < CPT; ++j) {
         if constexpr (CB == 16) {
@@ -274,7 +275,7 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   }
 }
 
-// Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (rows of HEAD_DIM bytes) into the 16-bit tile `dst` in
+// Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (rows of G::KV_ROW_BYTES) into the 16-bit tile `dst` in
 // the family's swizzled layout, on THREADS threads (tid < THREADS). A thread reads 8 bytes and writes one 16-byte
 // chunk: 8 neighbouring threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct
 // banks). UNROLL: chunks in flight per thread (few where the caller holds many live registers).
@@ -288,7 +289,7 @@ __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, i
   for (int n = 0; n < ROWS * CH / THREADS; ++n) {
     const int i = static_cast<int>(tid) + n * THREADS;
     const int r = row0 + i / CH, c = i % CH;
-    const uint2 raw = *reinterpret_cast<const uint2*>(src + r * G::HEAD_DIM + c * 8);
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + r * G::KV_ROW_BYTES + c * 8);
     *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c)) = fp8x8_to<T, TKV>(raw);
   }
 }

@@ -19,7 +19,9 @@
 // precomputed per lane (see q_row_off), so an ldmatrix costs one integer op.
 #pragma once
 #include "attnjit/common.cuh"
+#include "attnjit/fa2/fp8_frags.cuh"
 #include "attnjit/fa2/mma.cuh"
+#include "attnjit/fa2/softmax.cuh"
 #include "attnjit/fa2/traits.cuh"
 #include "attnjit/kv_load.cuh"
 #include "attnjit/merge_state.cuh"
@@ -29,33 +31,14 @@
 
 namespace attnjit {
 
-// Thread-local accumulators of one warp: NUM_MMA_Q row blocks of 16 rows; each thread holds rows
-// lane/4 and lane/4 + 8 of each block (index r = 0, 1).
-template <typename Tr>
-struct WarpState {
-  float o[Tr::NUM_MMA_Q][Tr::HEAD_DIM / 8][4];  // unnormalized output, mma C layout
-  float m[Tr::NUM_MMA_Q][2];                    // running max of s*scale2 (log2 units)
-  float d[Tr::NUM_MMA_Q][2];                    // running sum of 2^(s*scale2 - m) over the row (every lane of a quad)
-
-  __device__ __forceinline__ void init() {
-#pragma unroll
-    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
-#pragma unroll
-      for (int dt = 0; dt < Tr::HEAD_DIM / 8; ++dt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mq][dt][e] = 0.f;
-      }
-      m[mq][0] = m[mq][1] = neg_inf();
-      d[mq][0] = d[mq][1] = 0.f;
-    }
-  }
-};
 
 // One CTA of the fa2 family: WorkItem (the item in logical coordinates) plus the mma.sync mainloop and epilogue.
 template <typename Tr, typename P>
 struct AttentionCTA : WorkItem<Tr, P> {
   using Item = WorkItem<Tr, P>;
   using T = typename Tr::T;
+  using TKV = typename Tr::TKV;
+  using TM = std::conditional_t<Tr::FP8_IN_REGS, __half, T>;  // the mma's type (fp8: fa2/fp8_frags.cuh)
   using TO = typename Tr::TO;
   static constexpr int D = Tr::HEAD_DIM;
   static constexpr int CHUNKS = Tr::CHUNKS;
@@ -80,16 +63,20 @@ struct AttentionCTA : WorkItem<Tr, P> {
     v_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::ROW_BYTES;
     yq16 = ((lane / 16) ^ x) << 4;
     yk16 = (((lane / 8) % 2) ^ x) << 4;
+    kv8_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::KV_ROW_BYTES + (lane / 16) * 16;
   }
 
   // per-thread byte offsets of the rows this lane addresses with ldmatrix, and the XOR term of its chunk
   // (swizzle(row, chunk) = row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), and every such row has row & 7 == lane & 7,
   // so chunk 2 * j + h maps to ((j << 5) ^ y16) with y16 = (h ^ (lane & 7)) << 4)
   uint32_t q_row_off, k_row_off, v_row_off, yq16, yk16;
+  // fp8 in registers: this lane's ldmatrix row of a staged K or V tile (fa2/fp8_frags.cuh), for K and V alike
+  uint32_t kv8_row_off;
 
   __device__ __forceinline__ uint8_t* q_smem() const { return smem; }
   __device__ __forceinline__ int32_t* page_smem() const { return reinterpret_cast<int32_t*>(smem + Tr::Q_SMEM); }
-  __device__ __forceinline__ uint8_t* pipe_smem() const { return smem + Tr::Q_SMEM + Tr::PAGE_SMEM; }
+  __device__ __forceinline__ float* q_scale_smem() const { return reinterpret_cast<float*>(smem + Tr::Q_SMEM + Tr::PAGE_SMEM); }
+  __device__ __forceinline__ uint8_t* pipe_smem() const { return smem + Tr::Q_SMEM + Tr::PAGE_SMEM + Tr::QSCALE_SMEM; }
   // the ring's K and V of a stage, as stored (fp8: staging tiles of HEAD_DIM-byte rows)
   __device__ __forceinline__ uint8_t* k_smem(int stage) const { return pipe_smem() + stage * Tr::KV_STAGE_SMEM; }
   __device__ __forceinline__ uint8_t* v_smem(int stage) const {
@@ -118,7 +105,10 @@ struct AttentionCTA : WorkItem<Tr, P> {
   // ---- compute one tile -----------------------------------------------------------------------------------
 
   __device__ __forceinline__ void load_q_frag(uint32_t (&a)[4], int mq, int kd) const {
-    ldmatrix_x4(a, smem_u32(q_smem()) + q_row_off + mq * 16 * Tr::ROW_BYTES + ((kd << 5) ^ yq16));
+    if constexpr (Tr::FP8_IN_REGS)  // the dim order of the fp8 K fragments
+      q_frag_fp8_order<Tr::ROW_BYTES>(q_smem(), warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4, kd, lane, a);
+    else
+      ldmatrix_x4(a, smem_u32(q_smem()) + q_row_off + mq * 16 * Tr::ROW_BYTES + ((kd << 5) ^ yq16));
   }
 
   __device__ __forceinline__ void compute_tile(int tile, int stage, WarpState<Tr>& st,
@@ -134,28 +124,50 @@ struct AttentionCTA : WorkItem<Tr, P> {
         for (int e = 0; e < 4; ++e) s[mq][nt][e] = 0.f;
 
     // S = Q K^T
-    const uint32_t ks = smem_u32(k_tile(stage));
-#pragma unroll
-    for (int kd = 0; kd < D / 16; ++kd) {
-      uint32_t a[Tr::NUM_MMA_Q][4];
-#pragma unroll
-      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+    if constexpr (Tr::FP8_IN_REGS) {
+      s_tile_fp8<Tr>(s, smem_u32(k_smem(stage)) + kv8_row_off, [&](int mq, int kd, uint32_t(&a)[4]) {
         if constexpr (Tr::Q_IN_REGS) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) a[mq][e] = qf[mq][kd][e];
+          for (int e = 0; e < 4; ++e) a[e] = qf[mq][kd][e];
         } else {
-          load_q_frag(a[mq], mq, kd);
+          load_q_frag(a, mq, kd);
         }
-      }
-      const uint32_t k_addr = ks + k_row_off + ((kd << 5) ^ yk16);
+      });
+      if constexpr (Tr::Q_TO_HALF && V::HAS_LOGITS_TRANSFORM) {  // q rows were scaled by 2^e: the transform sees
+        // the logits (without a transform, the softmax folds the 2^-e into its scale)
 #pragma unroll
-      for (int mkv = 0; mkv < Tr::NUM_MMA_KV; ++mkv) {
-        uint32_t b[4];
-        ldmatrix_x4(b, k_addr + mkv * 16 * Tr::ROW_BYTES);
+        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float inv = q_scale_smem()[warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r];
+#pragma unroll
+            for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt) s[mq][nt][2 * r] *= inv, s[mq][nt][2 * r + 1] *= inv;
+          }
+      }
+    } else {
+      const uint32_t ks = smem_u32(k_tile(stage));
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) {
+        uint32_t a[Tr::NUM_MMA_Q][4];
 #pragma unroll
         for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
-          mma_16816<T>(s[mq][2 * mkv], a[mq], b);
-          mma_16816<T>(s[mq][2 * mkv + 1], a[mq], b + 2);
+          if constexpr (Tr::Q_IN_REGS) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) a[mq][e] = qf[mq][kd][e];
+          } else {
+            load_q_frag(a[mq], mq, kd);
+          }
+        }
+        const uint32_t k_addr = ks + k_row_off + ((kd << 5) ^ yk16);
+#pragma unroll
+        for (int mkv = 0; mkv < Tr::NUM_MMA_KV; ++mkv) {
+          uint32_t b[4];
+          ldmatrix_x4(b, k_addr + mkv * 16 * Tr::ROW_BYTES);
+#pragma unroll
+          for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+            mma_16816<T>(s[mq][2 * mkv], a[mq], b);
+            mma_16816<T>(s[mq][2 * mkv + 1], a[mq], b + 2);
+          }
         }
       }
     }
@@ -215,82 +227,48 @@ struct AttentionCTA : WorkItem<Tr, P> {
           for (int e = 0; e < 4; ++e)
             if (s[mq][nt][e] == neg_inf()) s[mq][nt][e] = 0.f;
     } else {
-      softmax_update(s, st, scale2);
+      softmax_update<Tr>(s, st, scale2, [&](int mq, int r) {  // q rows scaled by 2^e (fa2/fp8_frags.cuh)
+        return q_scale_smem()[warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r];
+      });
     }
     pv(s, stage, st);
-  }
-
-  // Online softmax of one tile's S (in place: S becomes P); O is rescaled only when some row's max moved.
-  __device__ __forceinline__ void softmax_update(float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4],
-                                                 WarpState<Tr>& st, float scale2) const {
-    if constexpr (V::HAS_LOGITS_TRANSFORM) scale2 = kLog2e;  // the logits are already scaled
-    float alpha[Tr::NUM_MMA_Q][2];
-    bool moved = false;
-#pragma unroll
-    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        // the max of the raw logits, scaled once (scale2 > 0: plan() checks sm_scale, a transform uses log2 e)
-        float raw = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt) raw = fmaxf(raw, fmaxf(s[mq][nt][2 * r], s[mq][nt][2 * r + 1]));
-        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
-        raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
-        const float mx = fmaxf(st.m[mq][r], raw * scale2);
-        const float m_safe = mx == neg_inf() ? 0.f : mx;
-        alpha[mq][r] = fast_exp2(st.m[mq][r] - m_safe);
-        moved |= mx != st.m[mq][r];
-        st.m[mq][r] = mx;
-#pragma unroll
-        for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
-#pragma unroll
-          for (int e = 2 * r; e < 2 * r + 2; ++e) s[mq][nt][e] = fast_exp2(fmaf(s[mq][nt][e], scale2, -m_safe));
-        st.d[mq][r] *= alpha[mq][r];  // pv() adds this tile's row sums
-      }
-    if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          st.o[mq][dt][0] *= alpha[mq][0];
-          st.o[mq][dt][1] *= alpha[mq][0];
-          st.o[mq][dt][2] *= alpha[mq][1];
-          st.o[mq][dt][3] *= alpha[mq][1];
-        }
-    }
   }
 
   // O += P V
   __device__ __forceinline__ void pv(const float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], int stage,
                                      WarpState<Tr>& st) const {
     if constexpr (Tr::FP8_WARP_OWNED) dequant_own_rows(v_smem(stage), stage);
-    const uint32_t vs = smem_u32(v_tile(stage));
+    const uint32_t vs = Tr::FP8_IN_REGS ? 0u : smem_u32(v_tile(stage));
     // softmax row sums of this tile on the tensor cores (P x ones), from the same rounded P that multiplies V:
     // one mma per 16x16 block instead of an add per element, and every lane of a quad gets its rows' sums
     float rs[Tr::NUM_MMA_Q][4];
 #pragma unroll
     for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) rs[mq][0] = rs[mq][1] = rs[mq][2] = rs[mq][3] = 0.f;
-    const uint32_t ones[2] = {ones2<T>(), ones2<T>()};
+    const uint32_t ones[2] = {ones2<TM>(), ones2<TM>()};
 #pragma unroll
     for (int kk = 0; kk < Tr::NUM_MMA_KV; ++kk) {
       uint32_t a[Tr::NUM_MMA_Q][4];
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
-        a[mq][0] = pack2<T>(s[mq][2 * kk][0], s[mq][2 * kk][1]);
-        a[mq][1] = pack2<T>(s[mq][2 * kk][2], s[mq][2 * kk][3]);
-        a[mq][2] = pack2<T>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
-        a[mq][3] = pack2<T>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
-        if constexpr (V::USE_SOFTMAX) mma_16816<T>(rs[mq], a[mq], ones);
+        a[mq][0] = pack2<TM>(s[mq][2 * kk][0], s[mq][2 * kk][1]);
+        a[mq][1] = pack2<TM>(s[mq][2 * kk][2], s[mq][2 * kk][3]);
+        a[mq][2] = pack2<TM>(s[mq][2 * kk + 1][0], s[mq][2 * kk + 1][1]);
+        a[mq][3] = pack2<TM>(s[mq][2 * kk + 1][2], s[mq][2 * kk + 1][3]);
+        if constexpr (V::USE_SOFTMAX) mma_16816<TM>(rs[mq], a[mq], ones);
       }
-      const uint32_t v_addr = vs + v_row_off + kk * 16 * Tr::ROW_BYTES;
+      if constexpr (Tr::FP8_IN_REGS) {
+        pv_block_fp8<Tr>(st.o, a, smem_u32(v_smem(stage)) + kv8_row_off + kk * 16 * Tr::KV_ROW_BYTES);
+      } else {
+        const uint32_t v_addr = vs + v_row_off + kk * 16 * Tr::ROW_BYTES;
 #pragma unroll
-      for (int dt2 = 0; dt2 < D / 16; ++dt2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, v_addr + ((dt2 << 5) ^ yq16));
+        for (int dt2 = 0; dt2 < D / 16; ++dt2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, v_addr + ((dt2 << 5) ^ yq16));
 #pragma unroll
-        for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
-          mma_16816<T>(st.o[mq][2 * dt2], a[mq], b);
-          mma_16816<T>(st.o[mq][2 * dt2 + 1], a[mq], b + 2);
+          for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq) {
+            mma_16816<T>(st.o[mq][2 * dt2], a[mq], b);
+            mma_16816<T>(st.o[mq][2 * dt2 + 1], a[mq], b + 2);
+          }
         }
       }
     }
@@ -319,6 +297,17 @@ struct AttentionCTA : WorkItem<Tr, P> {
     if constexpr (Tr::FP8_KV) inv *= v_scale;  // o = v_scale * sum_j p_j v_j (v dequantized); lse is unaffected
   }
 
+  // Accumulator pair dt (0 .. D / 8) of row half r: the values of dims o_col(dt) and o_col(dt) + 1 (fp8 in
+  // registers: V's dims come in the order of its fragments, fa2/fp8_frags.cuh)
+  __device__ __forceinline__ int o_col(int dt) const {
+    if constexpr (Tr::FP8_IN_REGS) return fp8_o_col(dt, lane);
+    else return dt * 8 + 2 * (lane % 4);
+  }
+  __device__ __forceinline__ float2 o_pair(const WarpState<Tr>& st, int mq, int dt, int r) const {
+    if constexpr (Tr::FP8_IN_REGS) return make_float2(st.o[mq][dt & ~1][2 * r + (dt & 1)], st.o[mq][dt | 1][2 * r + (dt & 1)]);
+    else return make_float2(st.o[mq][dt][2 * r], st.o[mq][dt][2 * r + 1]);
+  }
+
   __device__ __forceinline__ void finish(WarpState<Tr>& st) {
     if constexpr (Tr::NUM_WARPS_KV == 1) {
       // normalize in registers. An output (the common case) is staged through this warp's rows of the (now free)
@@ -335,18 +324,20 @@ struct AttentionCTA : WorkItem<Tr, P> {
             const int pr = packed_row0 + row;
             float inv, lse;
             state_scale(st, mq, r, inv, lse);
-            uint8_t* row_stage = stage + row * Tr::ROW_BYTES + 4 * (lane % 4);
+            uint8_t* row_stage = stage + row * Tr::ROW_BYTES;
 #pragma unroll
             for (int dt = 0; dt < D / 8; ++dt) {
-              float x0 = st.o[mq][dt][2 * r] * inv, x1 = st.o[mq][dt][2 * r + 1] * inv;
+              const float2 x = o_pair(st, mq, dt, r);
+              float x0 = x.x * inv, x1 = x.y * inv;
+              const int col = o_col(dt);
               if constexpr (V::HAS_OUTPUT_TRANSFORM) {
-                const int col = dt * 8 + 2 * (lane % 4);
                 if (pr < rows_total) {
                   x0 = var.output_transform(x0, col, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
                   x1 = var.output_transform(x1, col + 1, q_pos_of(pr), qo_len, kv_len, req, qo_head_of(pr), kv_head);
                 }
               }
-              *reinterpret_cast<uint32_t*>(row_stage + ((dt ^ (row & 7)) << 4)) = pack2<TO>(x0, x1);
+              *reinterpret_cast<uint32_t*>(row_stage + (((col >> 3) ^ (row & 7)) << 4) + (col & 7) * 2) =
+                  pack2<TO>(x0, x1);
             }
             if (lane % 4 == 0 && pr < rows_total) write_lse(pr, lse);
           }
@@ -374,10 +365,12 @@ struct AttentionCTA : WorkItem<Tr, P> {
             float inv, lse;
             state_scale(st, mq, r, inv, lse);
             const int64_t prow = partial_row(pr);
-            float* dst = reinterpret_cast<float*>(p.tmp_o) + prow * D + 2 * (lane % 4);
+            float* dst = reinterpret_cast<float*>(p.tmp_o) + prow * D;
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt)
-              *reinterpret_cast<float2*>(dst + dt * 8) = make_float2(st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv);
+            for (int dt = 0; dt < D / 8; ++dt) {
+              const float2 x = o_pair(st, mq, dt, r);
+              *reinterpret_cast<float2*>(dst + o_col(dt)) = make_float2(x.x * inv, x.y * inv);
+            }
             if (lane % 4 == 0) reinterpret_cast<float*>(p.tmp_lse)[prow] = lse;
           }
       }
@@ -395,8 +388,8 @@ struct AttentionCTA : WorkItem<Tr, P> {
           float* dst = so + (warp_kv * Tr::CTA_Q + row) * D;
 #pragma unroll
           for (int dt = 0; dt < D / 8; ++dt) {
-            const int col = dt * 8 + 2 * (lane % 4);
-            *reinterpret_cast<float2*>(dst + col) = make_float2(st.o[mq][dt][2 * r] * inv, st.o[mq][dt][2 * r + 1] * inv);
+            const float2 x = o_pair(st, mq, dt, r);
+            *reinterpret_cast<float2*>(dst + o_col(dt)) = make_float2(x.x * inv, x.y * inv);
           }
           if (lane % 4 == 0) slse[warp_kv * Tr::CTA_Q + row] = lse;
         }
@@ -470,6 +463,16 @@ struct AttentionCTA : WorkItem<Tr, P> {
       cp_async_commit();
     }
 
+    if constexpr (Tr::Q_TO_HALF) {  // q (transformed) into fp16 rows scaled by 2^e, for the fp16 mma over fp8 K, V
+      cp_async_wait<S - 1>();  // Q's group (only the prologue's K/V may still be in flight)
+      __syncthreads();
+      if constexpr (V::HAS_QUERY_TRANSFORM) {
+        transform_q_tile<Tr>(*this, q_smem(), threadIdx.x, Tr::NUM_THREADS);
+        __syncthreads();
+      }
+      q_rows_to_half<Tr>(q_smem(), q_scale_smem(), threadIdx.x);
+      __syncthreads();
+    }
     WarpState<Tr> st;
     st.init();
     if constexpr (V::HAS_SINK) {  // the online softmax starts from the sink (work.cuh), in one kv warp's state
@@ -490,7 +493,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
     for (int i = 0; i < num_tiles; ++i) {
       cp_async_wait<S - 2>();
       __syncthreads();
-      if constexpr (V::HAS_QUERY_TRANSFORM) {
+      if constexpr (V::HAS_QUERY_TRANSFORM && !Tr::Q_TO_HALF) {  // (Q_TO_HALF: before the loop)
         if (i == 0) {
           transform_q_tile<Tr>(*this, q_smem(), threadIdx.x, Tr::NUM_THREADS);
           __syncthreads();
@@ -505,7 +508,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
         cp_async_commit();
         dequant_own_rows(k_smem(i % S), i % S);
         if constexpr (V::HAS_KEY_TRANSFORM) __syncthreads();  // the transform below reads every warp's rows
-      } else if constexpr (Tr::FP8_KV) {  // K and V into their 16-bit tiles, read by every warp after the barrier
+      } else if constexpr (Tr::FP8_KV && !Tr::FP8_IN_REGS) {  // K and V into 16-bit tiles every warp reads
         dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS, 2>(k_smem(i % S), k_tile(i % S), 0, threadIdx.x);
         dequant_rows<Tr, Tr::CTA_KV, Tr::NUM_THREADS, 2>(v_smem(i % S), v_tile(i % S), 0, threadIdx.x);
         __syncthreads();

@@ -39,20 +39,30 @@ struct AttentionTraits {
   static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
   static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
   static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, 16-bit: what the mainloop reads
-  // the cp.async ring holds K and V as stored; an fp8 cache's stages are converted into one 16-bit K and V tile
+  // the cp.async ring holds K and V as stored. An fp8 cache's stages hold rows of KV_ROW_BYTES (HEAD_DIM bytes and
+  // 16 of padding: 8 rows at one column fall in 8 bank groups, for ldmatrix); its bytes become the mma's 16-bit
+  // operands in registers (FP8_IN_REGS: fa2/fp8_frags.cuh), or, where a key transform rewrites K in shared memory,
+  // are converted into 16-bit K and V tiles first
   static constexpr int KV_ELEM_BYTES = static_cast<int>(sizeof(TKV));
   static constexpr bool FP8_KV = KV_ELEM_BYTES == 1;
-  static constexpr int KV_STAGE_SMEM = CTA_KV * HEAD_DIM * KV_ELEM_BYTES;  // one of K or V, one stage, as stored
-  // Where warps split the kv tile (NUM_WARPS_KV > 1: decode), each warp reads only its own WARP_COLS rows of K and
-  // V, so each converts its own rows, K before S = Q K^T and then V into the same 16-bit tile before O += P V, with
-  // __syncwarp only; otherwise (every warp reads every row) the CTA converts K and V into two tiles behind a barrier
-  static constexpr bool FP8_WARP_OWNED = FP8_KV && NUM_WARPS_KV > 1;
-  static constexpr int DEQUANT_SMEM = FP8_KV ? (FP8_WARP_OWNED ? 1 : 2) * KV_TILE_SMEM : 0;
+  static constexpr bool FP8_IN_REGS = FP8_KV && !Variant::HAS_KEY_TRANSFORM;
+  static constexpr int KV_ROW_BYTES = FP8_KV ? HEAD_DIM + 16 : ROW_BYTES;
+  static constexpr int KV_STAGE_SMEM = CTA_KV * KV_ROW_BYTES;  // one of K or V, one stage, as stored
+  // Converted in shared memory, where warps split the kv tile (NUM_WARPS_KV > 1: decode), each warp reads only its
+  // own WARP_COLS rows of K and V, so each converts its own rows, K before S = Q K^T and then V into the same
+  // 16-bit tile before O += P V, with __syncwarp only; otherwise (every warp reads every row) the CTA converts K
+  // and V into two tiles behind a barrier
+  static constexpr bool FP8_WARP_OWNED = FP8_KV && !FP8_IN_REGS && NUM_WARPS_KV > 1;
+  static constexpr int DEQUANT_SMEM = FP8_KV && !FP8_IN_REGS ? (FP8_WARP_OWNED ? 1 : 2) * KV_TILE_SMEM : 0;
+  // fp8 in registers multiplies in fp16 (one conversion per two values, not four). A bf16 q is converted once per
+  // item into the Q tile as fp16, each row scaled by a power of two (fa2/fp8_frags.cuh); the rows' 2^-e live here
+  static constexpr bool Q_TO_HALF = FP8_IN_REGS && is_bf16<T>::value;
+  static constexpr int QSCALE_SMEM = FP8_IN_REGS ? (CTA_Q * 4 + 127) / 128 * 128 : 0;
   static constexpr int PIPE_SMEM = 2 * NUM_STAGES * KV_STAGE_SMEM + DEQUANT_SMEM;
   // cross-warp merge scratch (NUM_WARPS_KV > 1), reusing the pipeline's memory after the main loop:
   // normalized o [NUM_WARPS_KV][CTA_Q][HEAD_DIM] f32, then lse [NUM_WARPS_KV][CTA_Q] f32
   static constexpr int MERGE_SMEM = NUM_WARPS_KV > 1 ? NUM_WARPS_KV * CTA_Q * (HEAD_DIM + 1) * 4 : 0;
-  static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
+  static constexpr int SMEM_BYTES = Q_SMEM + PAGE_SMEM + QSCALE_SMEM + (PIPE_SMEM > MERGE_SMEM ? PIPE_SMEM : MERGE_SMEM);
   // tile loads (Q, K, V): 8 threads per row, thread t copies chunks t % 8 + 8 j (j < CHUNKS / 8) of one row, so
   // 8 neighbouring threads write 8 different bank groups, and one address serves a row's CHUNKS / 8 copies
   static constexpr int KV_ROWS_PER_PASS = NUM_THREADS / 8;        // rows one pass of the CTA's threads covers

@@ -24,6 +24,10 @@ BACKENDS = ("attnjit", "flashinfer", "reference")
 # the host; with device page ids it must read their range back first). FlashInfer's plan() uses the page-id tensor
 # on the device as it is, so it gets the device copy.
 HOST_PAGE_IDS = frozenset({"attnjit", "reference"})
+# backends whose graph-mode decode wrapper re-plans a batch of the bucket's size with a public
+# fast_plan(indptr, indices, last_page_len) (it keeps the first plan()'s heads, dtypes and kernel and only rewrites
+# lengths and page tables). FlashInfer's equivalent is private (vLLM's fast_plan_decode), so it gets plan().
+FAST_REPLAN = frozenset({"attnjit"})
 
 
 def load_ops(name: str):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backends import HOST_PAGE_IDS, load_ops
+from .backends import FAST_REPLAN, HOST_PAGE_IDS, load_ops
 from .llama import AttnMetadata, LlamaConfig, LlamaWeights, PagedLlama
 from .paging import PageAllocator
 from .scheduler import Request, Scheduler, StepBatch
@@ -33,6 +33,7 @@ class EngineStats:
     mixed_steps: int = 0
     decode_steps: int = 0
     graph_replays: int = 0
+    fast_replans: int = 0       # graph replays re-planned with the wrapper's fast_plan() (not plan())
     tokens_in: int = 0          # query tokens processed (prompt + decode)
     tokens_out: int = 0         # tokens generated
     decode_time_s: float = 0.0  # wall time of decode-only steps (synchronized)
@@ -85,8 +86,12 @@ class _DecodeGraph:
         self.buf[:len(vals)].copy_(self.host[:len(vals)], non_blocking=True)
         # plan() reads the indptr arrays from the host copy (no device-to-host copy), and the page ids too where the
         # backend takes them from the host without a synchronization (engine.host_page_ids)
-        e.plan_decode(self.wrapper, self.host_kv_indptr, e.page_ids(self.kv_indices, self.host_kv_indices)[:len(idx)],
-                      self.host_last)
+        ids = e.page_ids(self.kv_indices, self.host_kv_indices)[:len(idx)]
+        if e.fast_replan and self.graph is not None:  # captured: only lengths and page tables change
+            self.wrapper.fast_plan(self.host_kv_indptr, ids, self.host_last)
+            e.stats.fast_replans += 1
+        else:
+            e.plan_decode(self.wrapper, self.host_kv_indptr, ids, self.host_last)
 
     def capture(self, e: Engine) -> None:
         self.fill(e, None)
@@ -121,6 +126,7 @@ class Engine:
         self.ops = ops if ops is not None else load_ops(backend)
         # plan() gets the page ids from the host where the backend reads them there without a synchronization
         self.host_page_ids = ops is None and backend in HOST_PAGE_IDS
+        self.fast_replan = ops is None and backend in FAST_REPLAN  # graph buckets re-plan with fast_plan()
         self.page_size = page_size
         self.max_pages_per_seq = -(-max_model_len // page_size)
         if num_pages is None:

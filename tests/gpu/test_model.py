@@ -85,19 +85,22 @@ def test_graph_replay_equals_eager():
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_engine_plans_from_host_page_ids_without_synchronizing(monkeypatch, graphs):
-    """With attnjit the engine hands plan() the host copy of the page ids, so plan() never reads them back from the
-    device (which synchronizes every step); the run still matches the eager one's tokens."""
-    seen = []
-    real_plan = attnjit.BatchDecodeWithPagedKVCacheWrapper.plan
-
-    def plan(self, indptr, indices, *args, **kw):
-        seen.append((indptr.device.type, indices.device.type))
-        return real_plan(self, indptr, indices, *args, **kw)
-
-    monkeypatch.setattr(attnjit.BatchDecodeWithPagedKVCacheWrapper, "plan", plan)
+    """With attnjit the engine hands plan() (and, replaying graphs, fast_plan()) the host copy of the page ids, so
+    they are never read back from the device (which synchronizes every step); the run still matches the eager
+    one's tokens."""
+    seen = {"plan": [], "fast_plan": []}
+    W = attnjit.BatchDecodeWithPagedKVCacheWrapper
+    for name in seen:
+        def spy(self, indptr, indices, *args, _real=getattr(W, name), _name=name, **kw):
+            seen[_name].append((indptr.device.type, indices.device.type))
+            return _real(self, indptr, indices, *args, **kw)
+        monkeypatch.setattr(W, name, spy)
     weights = LlamaWeights.random(CONFIG, dtype=torch.bfloat16, device=DEV, seed=13)
     eng, reqs = _engine(weights, torch.bfloat16, graphs=graphs, workload=STAGGERED)
-    assert eng.host_page_ids and seen and set(seen) == {("cpu", "cpu")}, seen
+    calls = seen["plan"] + seen["fast_plan"]
+    assert eng.host_page_ids and calls and set(calls) == {("cpu", "cpu")}, seen
+    # graph mode: each bucket is planned once when captured, then every replay re-plans with fast_plan()
+    assert len(seen["fast_plan"]) == eng.stats.fast_replans == (eng.stats.graph_replays if graphs else 0), seen
     assert all(len(r.generated) == m for r, (_, m, _) in zip(reqs, STAGGERED))
 
 

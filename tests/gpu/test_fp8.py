@@ -81,6 +81,40 @@ def test_a_16_bit_plan_applies_float_scales_as_flashinfer(workspace):
     assert_lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("op", ["decode", "prefill"])
+def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
+    """A bf16 q runs the fp8 kernels' fp16 mma through a per-row power-of-two rescale (fa2/fp8_frags.cuh): heads whose
+    q spans 1e-30 .. 1e6 (past fp16's 65504 and far below its subnormals), sharing one CTA's packed rows, each match
+    the float64 reference. Without the rescale the large rows overflow to inf and the small ones flush to zero.
+    (The top keeps the softmax's logits, in log2 units, well under 2^31 (here ~3e7). Beyond about 2^31 the fp32
+    online softmax loses the max key: exp2 of its rounding residual, s * scale - round(s * scale), over- or
+    underflows. Measured here at q ~ 5e8 (lse 2.5e9: non-finite rows); the 16-bit kernels' softmax computes the
+    same way, so it is a limit of the fp32 softmax, not of the fp8 path.)"""
+    qo = (1,) * len(DEC_MED) if op == "decode" else MIXED_QO
+    b = make_paged(qo, DEC_MED if op == "decode" else MIXED_KV, page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV,
+                   head_dim=D, dtype=torch.bfloat16, device=DEV, seed=31)
+    mag = torch.logspace(-30, 6, H_Q, dtype=torch.float64)[torch.randperm(H_Q, generator=torch.Generator().manual_seed(3))]
+    q = (b.q.double() * mag.to(DEV)[None, :, None]).to(torch.bfloat16)
+    ks, vs = fp8_scales("float", H_KV, DEV)
+    cache = quantize_cache(b.cache, ks, vs, "NHD", torch.float8_e4m3fn)
+    meta = (b.kv_indptr, b.kv_indices, b.last_page_len)
+    if op == "decode":
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+        w.plan(*(i32(x, DEV) for x in meta), H_Q, H_KV, D, PS, q_data_type=torch.bfloat16, kv_data_type="e4m3")
+    else:
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+        w.plan(*b.tensors(DEV), H_Q, H_KV, D, PS, causal=True, q_data_type=torch.bfloat16, kv_data_type="e4m3")
+    out, lse = poisoned(q.shape, torch.bfloat16, DEV), poisoned(q.shape[:2], torch.float32, DEV)
+    w.run(q, cache, out=out, lse=lse, k_scale=ks, v_scale=vs)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference.batch_paged(q, cache, b.qo_indptr, *meta, page_size=PS, causal=op == "prefill",
+                                           k_scale=ks, v_scale=vs)
+    assert_close(out, ref_o, torch.bfloat16)
+    # lse grows with |q| (up to ~3e7 here): its error is relative to it
+    err = (lse.double() - ref_lse.to(DEV)).abs()
+    assert (err <= 5e-3 + 1e-3 * ref_lse.to(DEV).abs()).all(), err.max()
+
+
 def test_fp8_prefill_falls_back_to_fa2_by_itself(workspace):
     """On sm_90a a wide bf16 batch runs on sm90; with an fp8 cache plan() picks fa2 (sm90 declines fp8)."""
     b = make_paged(MIXED_QO, MIXED_KV, page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,

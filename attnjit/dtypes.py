@@ -1,8 +1,9 @@
 """Element types: the one table every other module reads (spec names and aliases, bytes, C++ type, torch dtype).
 
-The kernels compute in the query's 16-bit type; an fp8 KV cache (``e4m3``, ``e5m2``) is stored in one byte per
-element and dequantized as it reaches shared memory (``templates/include/attnjit/fp8.cuh``). Spec fields, catalogs
-and plan() arguments name types by any alias below (or a torch dtype); specs keep the canonical name. torch is not
+The kernels compute in the query's 16-bit type (over an fp8 KV cache: in fp16, a bf16 q rescaled per row); an fp8
+cache (``e4m3``, ``e5m2``) is stored in one byte per element and converted exactly on its way from shared memory into
+the tensor cores (``templates/include/attnjit/fp8.cuh``, ``fa2/fp8_frags.cuh``). Spec fields, catalogs and plan()
+arguments name types by any alias below (or a torch dtype); specs keep the canonical name. torch is not
 imported here (``attnjit warm`` on a build machine never imports it): a type names its torch dtype.
 """
 

@@ -1,4 +1,5 @@
-// attnjit/fp8.cuh: an fp8 KV cache (e4m3, e5m2) dequantized to the kernels' 16-bit type T.
+// attnjit/fp8.cuh: an fp8 KV cache (e4m3, e5m2) converted to fp16 (fa2/fp8_frags.cuh: in registers, for the mma)
+// or to the kernels' 16-bit type T (dequant_rows: in shared memory, where a key transform rewrites K there).
 //
 // Conversions are exact: every e4m3 and e5m2 value (but NaN) is an fp16 value, and every fp16 value of that range
 // a bf16 one. sm_89 and up convert with the hardware instruction (cvt.rn.f16x2.e4m3x2 / e5m2x2: SASS F2FP); sm_80
@@ -9,7 +10,7 @@
 //                 reads e4m3's NaN (0x7f) as 480; the hardware path gives NaN.
 // bf16: via fp16 -> float -> bf16, exact.
 // The scale of a quantized cache (k_scale, v_scale) is applied outside: k_scale in the logit scale, v_scale on the
-// output (attnjit/fa2/attention.cuh), so the converted tiles hold the stored values.
+// output (attnjit/fa2/attention.cuh), so the converted values are the stored ones.
 #pragma once
 #include <cuda_fp8.h>
 

@@ -12,7 +12,7 @@ template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, b
 struct AttentionTraits {
   using T = T_;      // q element type, and the type K and V tiles have in shared memory (the mma's type)
   using TO = TO_;    // output element type
-  using TKV = TKV_;  // the KV cache's element type: T, or fp8 (e4m3/e5m2) dequantized to T in shared memory
+  using TKV = TKV_;  // the KV cache's element type: T, or fp8 (e4m3/e5m2), converted on the way into the mma
   using Variant = VARIANT_;  // hook policy (NoVariant: plain softmax attention)
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int GROUP = GROUP_;  // query heads per KV head

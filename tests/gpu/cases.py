@@ -237,6 +237,7 @@ class VariantCase:
     causal: bool = True
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
+    kv: str | None = None       # an fp8 cache: the hooks around the fp16 mma (bf16 q rescaled per row, fp8_frags.cuh)
 
     @property
     def variant(self):
@@ -251,11 +252,11 @@ class VariantCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return ("fa2",) if self.kind == "decode" else FAMILIES
+        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         base = replace(_P if self.kind == "paged" else _R if self.kind == "ragged" else _D, dtype=self.dtype,
-                       causal=self.causal and self.feature != "custom_mask" and self.kind != "decode")
+                       causal=self.causal and self.feature != "custom_mask" and self.kind != "decode", kv=self.kv)
         return base.spec(family).replace(variant=self.builtin_variant)
 
 
@@ -271,6 +272,14 @@ VARIANTS = [
     VariantCase("custom_mask-ragged", "ragged", "custom_mask", False),
     VariantCase("softcap-decode-fp16-split", "decode", "softcap", False, "force", torch.float16),
     VariantCase("window-decode-split", "decode", "window", False, "force"),
+    # over an fp8 cache: each hook where the fp16 mma meets it (logits transform, query and output transforms, the
+    # position-dependent bias, no softmax, masks)
+    VariantCase("softcap-decode-fp8-e4m3", "decode", "softcap", False, kv="e4m3"),
+    VariantCase("softcap-paged-fp8-e5m2-split", "paged", "softcap", True, "force", kv="e5m2"),
+    VariantCase("gains-paged-fp8-e4m3", "paged", "gains", True, kv="e4m3"),
+    VariantCase("alibi-decode-fp8-e4m3-split", "decode", "alibi", False, "force", kv="e4m3"),
+    VariantCase("sigmoid-ragged-fp8-e4m3", "ragged", "sigmoid", True, kv="e4m3"),
+    VariantCase("window-paged-fp8-e4m3-fp16", "paged", "window", True, dtype=torch.float16, kv="e4m3"),
 ]
 
 

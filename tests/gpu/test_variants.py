@@ -11,10 +11,11 @@ import pytest
 import torch
 
 import attnjit
-from attnjit import reference
+from attnjit import dtypes, reference
 from attnjit.reference import Hooks
 
-from ..helpers import assert_close, assert_lse_close, i32, make_paged, make_ragged, poisoned
+from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, poisoned, quantize,
+                       quantize_cache)
 from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VariantCase
 
 DEV = "cuda"
@@ -81,34 +82,44 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
     split = {"force": {"fixed_split_size": 128}}.get(case.split, {})
     hooks = hooks_for(case, masks, head_scale)
     params = run_params(case, head_scale)
+    fp8_plan, scales = {}, {}
+    if case.kv:  # an fp8 cache: quantized here, the same bytes for the kernel and the reference
+        ks, vs = fp8_scales("float", H_KV, DEV)
+        fp8_plan, scales = {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
+    fp8 = dtypes.of(case.kv).torch if case.kv else None
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(qo_lens, kv_lens, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
                                                     dtype=dtype, device=DEV, seed=seed)
+        if fp8 is not None:
+            k, v = quantize(k, scales["k_scale"], 1, fp8), quantize(v, scales["v_scale"], 1, fp8)
         w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), H_Q, H_KV, D, causal=case.causal, q_data_type=dtype,
-               **plan_args(case, mask_flat), **split)
+               **fp8_plan, **plan_args(case, mask_flat), **split)
         out = poisoned(q.shape, dtype, DEV)
         lse = poisoned(q.shape[:2], torch.float32, DEV) if hooks.use_softmax else None
-        w.run(q, k, v, out=out, lse=lse, **params)
-        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal, hooks=hooks)
+        w.run(q, k, v, out=out, lse=lse, **params, **scales)
+        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal, hooks=hooks,
+                                                **scales)
     else:
         b = make_paged(qo_lens, kv_lens, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, dtype=dtype,
                        device=DEV, seed=seed)
         qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
+        cache = b.cache if fp8 is None else quantize_cache(b.cache, scales["k_scale"], scales["v_scale"], "NHD", fp8)
         if case.kind == "decode":
             w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
-            w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **plan_args(case, None), **split)
+            w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **fp8_plan, **plan_args(case, None),
+                   **split)
         else:
             w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
-            w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=case.causal, q_data_type=dtype,
+            w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=case.causal, q_data_type=dtype, **fp8_plan,
                    **plan_args(case, mask_flat), **split)
         q = b.q
         out = poisoned(q.shape, dtype, DEV)
         lse = poisoned(q.shape[:2], torch.float32, DEV) if hooks.use_softmax else None
-        w.run(q, b.cache, out=out, lse=lse, **params)
+        w.run(q, cache, out=out, lse=lse, **params, **scales)
         causal = case.causal and case.kind != "decode" and case.feature != "custom_mask"
-        ref_o, ref_lse = reference.batch_paged(q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
-                                               page_size=16, causal=causal, hooks=hooks)
+        ref_o, ref_lse = reference.batch_paged(q, cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                               page_size=16, causal=causal, hooks=hooks, **scales)
     torch.cuda.synchronize()
     assert w._plan.spec.variant is not None and w.last_plan["family"] == family
     if case.split == "force":

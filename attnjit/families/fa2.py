@@ -148,8 +148,8 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
         # 16x4096 2.98 / 2.66, 32x16384 3.78 / 3.01, 1x32768 2.02 / 2.02; in shared memory the deep tile read fewer
         # tokens/s than the bf16 one (1x32768 605 vs 796 Mtok/s). Split fp8 batches take the narrow tile, 2 CTAs/SM
         deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size) if kv_bytes == 2 else None
-        return (narrow, fp8_tile(deep, kv_bytes, in_regs)) if deep else (narrow,)
-    wide = replace(wide_tile(spec.head_dim_qk, page_size), kv_bytes=kv_bytes, fp8_in_regs=kv_bytes == 1 and in_regs)
+        return (narrow, deep) if deep else (narrow,)
+    wide = fp8_tile(wide_tile(spec.head_dim_qk, page_size), kv_bytes, in_regs)
     return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)
 
 

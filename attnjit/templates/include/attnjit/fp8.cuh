@@ -54,20 +54,19 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2(uint16_t x) {
 template <typename TKV, bool H1 = true>
 __device__ __forceinline__ void fp8x4_to_half2x2(uint32_t w, uint32_t (&h)[2]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-  if constexpr (!H1) {
-    h[0] = fp8x2_to_half2<TKV>(static_cast<uint16_t>(w & 0xffffu));
-    h[1] = fp8x2_to_half2<TKV>(static_cast<uint16_t>(w >> 16));
-  } else if constexpr (is_e5m2<TKV>::value) {
-    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e5m2x2 %0, lo;\n cvt.rn.f16x2.e5m2x2 %1, hi;}"
-        : "=r"(h[0]), "=r"(h[1]) : "r"(w));
-  } else {
-    asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;}"
-        : "=r"(h[0]), "=r"(h[1]) : "r"(w));
+  if constexpr (H1) {
+    if constexpr (is_e5m2<TKV>::value) {
+      asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e5m2x2 %0, lo;\n cvt.rn.f16x2.e5m2x2 %1, hi;}"
+          : "=r"(h[0]), "=r"(h[1]) : "r"(w));
+    } else {
+      asm("{.reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;}"
+          : "=r"(h[0]), "=r"(h[1]) : "r"(w));
+    }
+    return;
   }
-#else
+#endif
   h[0] = fp8x2_to_half2<TKV>(static_cast<uint16_t>(w & 0xffffu));
   h[1] = fp8x2_to_half2<TKV>(static_cast<uint16_t>(w >> 16));
-#endif
 }
 
 // Two fp8 -> two T (fp16 or bf16) in one register.

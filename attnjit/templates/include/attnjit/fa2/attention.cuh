@@ -101,6 +101,10 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
   // fp8 KV: the value scale of this item's kv head (k_scale is folded into scale2), applied to the output
   float v_scale = 1.f;
+  // bf16 q over fp8 (Tr::Q_TO_HALF): 2^-e of this lane's row (mq, r), what its logits are multiplied by
+  __device__ __forceinline__ float q_row_scale(int mq, int r) const {
+    return q_scale_smem()[warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r];
+  }
 
   // ---- compute one tile -----------------------------------------------------------------------------------
 
@@ -139,7 +143,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
         for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const float inv = q_scale_smem()[warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r];
+            const float inv = q_row_scale(mq, r);
 #pragma unroll
             for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt) s[mq][nt][2 * r] *= inv, s[mq][nt][2 * r + 1] *= inv;
           }
@@ -227,9 +231,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
           for (int e = 0; e < 4; ++e)
             if (s[mq][nt][e] == neg_inf()) s[mq][nt][e] = 0.f;
     } else {
-      softmax_update<Tr>(s, st, scale2, [&](int mq, int r) {  // q rows scaled by 2^e (fa2/fp8_frags.cuh)
-        return q_scale_smem()[warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r];
-      });
+      softmax_update<Tr>(s, st, scale2, [&](int mq, int r) { return q_row_scale(mq, r); });
     }
     pv(s, stage, st);
   }
@@ -304,7 +306,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
     else return dt * 8 + 2 * (lane % 4);
   }
   __device__ __forceinline__ float2 o_pair(const WarpState<Tr>& st, int mq, int dt, int r) const {
-    if constexpr (Tr::FP8_IN_REGS) return make_float2(st.o[mq][dt & ~1][2 * r + (dt & 1)], st.o[mq][dt | 1][2 * r + (dt & 1)]);
+    if constexpr (Tr::FP8_IN_REGS) return fp8_o_pair(st.o[mq], dt, r);
     else return make_float2(st.o[mq][dt][2 * r], st.o[mq][dt][2 * r + 1]);
   }
 

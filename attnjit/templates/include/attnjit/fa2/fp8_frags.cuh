@@ -159,4 +159,10 @@ __device__ __forceinline__ void q_rows_to_half(uint8_t* tile, float* row_inv, un
 // o[2c + 1][2r + h]), dims 16c + 4t + 2h and + 1.
 __device__ __forceinline__ int fp8_o_col(int dt, int lane) { return (dt / 2) * 16 + 4 * (lane % 4) + 2 * (dt & 1); }
 
+// The values of that pair, from one row block's accumulators o[D / 8][4] (row half r).
+template <int NT>
+__device__ __forceinline__ float2 fp8_o_pair(const float (&o)[NT][4], int dt, int r) {
+  return make_float2(o[dt & ~1][2 * r + (dt & 1)], o[dt | 1][2 * r + (dt & 1)]);
+}
+
 }  // namespace attnjit

@@ -200,8 +200,6 @@ FP8_SWEEP_ROWS = [(64, 4096), (1, 32768), (32, 16384)]
 
 
 def sweep_fp8(rows) -> list[dict]:
-    from benchmarks import fp8
-
     return _sweep_tiles("narrow_tile", SWEEP_FP8,
                         lambda res: fp8.bench_fp8(None, rows, res, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi),
                         "attnjit_fp8_tbps", 2)

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from attnjit.distributed import METHODS  # noqa: E402
 from attnjit.models import Engine, LlamaConfig, LlamaWeights, transformers_logits  # noqa: E402
 
 # (prompt length, tokens to generate, arrival step): requests join while others decode and leave at different steps
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--context-parallel", type=int, default=1, metavar="N",
                     help="shard the KV pages over N ranks (spawned processes; N GPUs, or gloo on the CPU)")
-    ap.add_argument("--cp-combine", default="all_gather", choices=["all_gather", "all_reduce"],
+    ap.add_argument("--cp-combine", default="all_gather", choices=METHODS,
                     help="how the ranks' attention states are combined (with --context-parallel)")
     args = ap.parse_args(argv)
 

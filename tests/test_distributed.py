@@ -257,7 +257,7 @@ def _rank_main(rank: int, world: int, out_dir: str) -> None:
         w.plan(kvp, idx, last, H_Q, H_KV, D, 4, q_data_type=torch.float64)
         w.run(g.q, g.cache)
         o_loc, lse_loc = w.combiner.local()
-        addresses.append((o_loc.data_ptr(), lse_loc.data_ptr(), w._has.data_ptr()))
+        addresses.append((o_loc.data_ptr(), lse_loc.data_ptr(), w._empty.data_ptr()))
     res["graph_addresses"] = addresses
     # the example engine with context-parallel attention (world 3 only: world 2 runs through the example script)
     if world == 3:

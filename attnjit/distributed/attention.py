@@ -59,6 +59,13 @@ def _reject(where: str, unused: dict) -> None:
                                   "(soft-cap, windows, ALiBi, custom masks and variants are single-GPU features here)")
 
 
+def _capacities(use_cuda_graph: bool, indptr_buf, indices_buf, kwargs: dict) -> None:
+    """Graph mode: the fixed buffers FlashInfer's constructor takes give the shard's batch and page capacities."""
+    if use_cuda_graph and indptr_buf is not None and indices_buf is not None:
+        kwargs.setdefault("batch_capacity", indptr_buf.numel() - 1)
+        kwargs.setdefault("page_capacity", indices_buf.numel())
+
+
 class _ContextParallelWrapper:
     _op = "prefill"
 
@@ -80,18 +87,12 @@ class _ContextParallelWrapper:
         self._local = make_shard(local_backend, op=self._op, workspace=float_workspace_buffer, kv_layout=kv_layout,
                                  use_cuda_graph=self._graph, batch_capacity=batch_capacity,
                                  page_capacity=page_capacity, **wrapper_kwargs)
-        self._has: torch.Tensor | None = None      # [rows] bool: the row's request has keys on this rank
-        self._table: ShardTable | None = None
+        self._empty: torch.Tensor | None = None    # [rows] bool: the row's request has no key on this rank
         self._shape: tuple | None = None           # (rows, H_q, D) of the plan
 
     @property
     def combiner(self) -> StateCombiner:
         return self._combiner
-
-    @property
-    def table(self) -> ShardTable | None:
-        """The current plan's shard of the page table."""
-        return self._table
 
     def _page_ids(self, table: ShardTable, indices: torch.Tensor) -> torch.Tensor:
         """This rank's page ids (int32, where ``indices`` lies); dummy entries read the scratch page."""
@@ -130,15 +131,14 @@ class _ContextParallelWrapper:
         self._local.plan(qo_indptr=qo, table=table, page_ids=page_ids, causal=causal, sm_scale=sm_scale,
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                          q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type)
-        has = torch.as_tensor(np.repeat(table.has_keys, qo_lens))
-        if self._graph and self._has is not None:
-            if self._has.numel() != has.numel():
-                raise ValueError(f"use_cuda_graph: this wrapper was planned for {self._has.numel()} query rows; "
-                                 f"plan() got {has.numel()}. Use one wrapper per batch size.")
-            self._has.copy_(has, non_blocking=True)
+        empty = torch.as_tensor(~np.repeat(table.has_keys, qo_lens))
+        if self._graph and self._empty is not None:
+            if self._empty.numel() != empty.numel():
+                raise ValueError(f"use_cuda_graph: this wrapper was planned for {self._empty.numel()} query rows; "
+                                 f"plan() got {empty.numel()}. Use one wrapper per batch size.")
+            self._empty.copy_(empty, non_blocking=True)
         else:
-            self._has = has.to(self.device, non_blocking=True)
-        self._table = table
+            self._empty = empty.to(self.device, non_blocking=True)
         self._shape = (int(qo[-1]), num_qo_heads, head_dim)
 
     def run(self, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None = None,
@@ -156,14 +156,13 @@ class _ContextParallelWrapper:
         o_loc, lse_loc = self._combiner.local_state(rows, heads, dim, self._local.o_dtype, self._local.lse_dtype,
                                                     q.device)
         self._local.run(q, paged_kv_cache, o_loc, lse_loc)
-        empty = ~self._has
-        o_loc.masked_fill_(empty[:, None, None], 0.0)           # rows with no key here: the empty state
-        lse_loc.masked_fill_(empty[:, None], -math.inf)
+        o_loc.masked_fill_(self._empty[:, None, None], 0.0)     # rows with no key here: the empty state
+        lse_loc.masked_fill_(self._empty[:, None], -math.inf)
         o, lse = self._combiner.combine()
-        o = o.to(q.dtype)
-        if out is not None:
-            out.copy_(o)
-            o = out
+        if out is not None:  # copy_ rounds to out's type once (q's type, as o.to(q.dtype) would)
+            o = out.copy_(o if out.dtype == q.dtype else o.to(q.dtype))
+        else:
+            o = o.to(q.dtype)
         return (o, lse) if return_lse else o
 
     forward = run
@@ -177,9 +176,7 @@ class ContextParallelPrefill(_ContextParallelWrapper):
     def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
                  qo_indptr_buf=None, paged_kv_indptr_buf=None, paged_kv_indices_buf: torch.Tensor | None = None,
                  paged_kv_last_page_len_buf=None, **kwargs: Any):
-        if use_cuda_graph and paged_kv_indptr_buf is not None and paged_kv_indices_buf is not None:
-            kwargs.setdefault("batch_capacity", paged_kv_indptr_buf.numel() - 1)
-            kwargs.setdefault("page_capacity", paged_kv_indices_buf.numel())
+        _capacities(use_cuda_graph, paged_kv_indptr_buf, paged_kv_indices_buf, kwargs)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, **kwargs)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads: int,
@@ -201,9 +198,7 @@ class ContextParallelDecode(_ContextParallelWrapper):
                  use_tensor_cores: bool = False, paged_kv_indptr_buffer: torch.Tensor | None = None,
                  paged_kv_indices_buffer: torch.Tensor | None = None, paged_kv_last_page_len_buffer=None,
                  **kwargs: Any):
-        if use_cuda_graph and paged_kv_indptr_buffer is not None and paged_kv_indices_buffer is not None:
-            kwargs.setdefault("batch_capacity", paged_kv_indptr_buffer.numel() - 1)
-            kwargs.setdefault("page_capacity", paged_kv_indices_buffer.numel())
+        _capacities(use_cuda_graph, paged_kv_indptr_buffer, paged_kv_indices_buffer, kwargs)
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, use_tensor_cores=use_tensor_cores,
                          **kwargs)
 

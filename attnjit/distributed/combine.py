@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .. import reference
+from ..ops.merge import merge_states
 
 METHODS = ("all_gather", "all_reduce")
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -64,12 +65,15 @@ class StateCombiner:
         o_bytes = _round16(rows * heads * dim * o_dtype.itemsize)
         lse_bytes = rows * heads * lse_dtype.itemsize
         chunk = _round16(o_bytes + lse_bytes)
-        self._chunk, self._o_bytes, self._lse_bytes = chunk, o_bytes, lse_bytes
         self._send = torch.zeros(chunk, dtype=torch.uint8, device=device)
         self._o = self._send[:rows * heads * dim * o_dtype.itemsize].view(o_dtype).view(rows, heads, dim)
         self._lse = self._send[o_bytes:o_bytes + lse_bytes].view(lse_dtype).view(rows, heads)
         if self.method == "all_gather":
             self._recv = torch.zeros(self.world * chunk, dtype=torch.uint8, device=device)
+            r = self._recv.view(self.world, chunk)
+            v = r[:, :rows * heads * dim * o_dtype.itemsize].view(o_dtype).unflatten(1, (rows, heads, dim))
+            s = r[:, o_bytes:o_bytes + lse_bytes].view(lse_dtype).unflatten(1, (rows, heads))
+            self._gathered = (v.permute(1, 0, 2, 3), s.permute(1, 0, 2))
         else:
             acc = torch.float64 if device.type == "cpu" else torch.float32
             self._max = torch.empty(rows, heads, dtype=acc, device=device)
@@ -83,12 +87,9 @@ class StateCombiner:
         return self._o, self._lse
 
     def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """After the all-gather: (v [rows, world, H, D], s [rows, world, H]) views of every rank's state."""
-        rows, heads, dim, o_dtype, lse_dtype, _ = self._shape
-        r = self._recv.view(self.world, self._chunk)
-        v = r[:, :rows * heads * dim * o_dtype.itemsize].view(o_dtype).unflatten(1, (rows, heads, dim))
-        s = r[:, self._o_bytes:self._o_bytes + self._lse_bytes].view(lse_dtype).unflatten(1, (rows, heads))
-        return v.permute(1, 0, 2, 3), s.permute(1, 0, 2)
+        """After the all-gather: (v [rows, world, H, D], s [rows, world, H]) views of every rank's state (made with
+        the receive buffer)."""
+        return self._gathered
 
     def combine(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The merged state of what the local buffers hold on every rank (a collective: every rank calls it)."""
@@ -97,10 +98,7 @@ class StateCombiner:
         if self.method == "all_gather":
             _all_gather(self._recv, self._send, group=self.group)
             v, s = self.gathered()
-            if v.device.type == "cpu":
-                return reference.merge_states(v, s)
-            from ..ops.merge import merge_states
-            return merge_states(v, s)
+            return (reference.merge_states if v.device.type == "cpu" else merge_states)(v, s)
         return self._reduce()
 
     def _reduce(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,8 +32,8 @@ class ReferenceShard:
     o_dtype = torch.float64
     lse_dtype = torch.float64
 
-    def __init__(self, *, op: str, kv_layout: str, **unused):
-        self.op, self.layout = op, kv_layout
+    def __init__(self, *, kv_layout: str, **unused):
+        self.layout = kv_layout
         self._plan: dict | None = None
 
     def plan(self, *, qo_indptr: np.ndarray, table: ShardTable, page_ids: torch.Tensor, causal: bool,

@@ -24,7 +24,6 @@ from .variants import TensorParam, Variant
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 INCLUDE_DIR = TEMPLATE_DIR / "include"
 
-_CTYPE = {name: t.ctype for name, t in dtypes.TYPES.items()}
 _TEMPLATE = {"merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.jinja"}  # attention: the family's
 
 
@@ -269,7 +268,7 @@ def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
     kernels: dict[str, KernelInfo] = {}
     if spec.op in families.OPS:
         family = families.get(spec.family)
-        ctx.update(ctype_q=_CTYPE[spec.dtype_q], ctype_o=_CTYPE[spec.dtype_o], ctype_kv=_CTYPE[spec.dtype_kv],
+        ctx.update(ctype_q=dtypes.of(spec.dtype_q).ctype, ctype_o=dtypes.of(spec.dtype_o).ctype, ctype_kv=dtypes.of(spec.dtype_kv).ctype,
                    head_dim=spec.head_dim_qk,
                    group_size=spec.group_size, causal=cpp_bool(spec.mask == "causal"),
                    paged=cpp_bool(spec.kv == "paged"), page_size=spec.page_size or 1,
@@ -279,11 +278,11 @@ def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
         for t in ctx["tiles"]:
             kernels[t.kernel] = KernelInfo(t.kernel, t.threads, t.smem, layout, t)
     elif spec.op == "merge_state":
-        ctx.update(ctype_o=_CTYPE[spec.dtype_o], head_dim=spec.head_dim_vo, block=128)
+        ctx.update(ctype_o=dtypes.of(spec.dtype_o).ctype, head_dim=spec.head_dim_vo, block=128)
         kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, PARAMS["merge_two"])
         kernels["attnjit_merge_states"] = KernelInfo("attnjit_merge_states", 128, 0, PARAMS["merge_many"])
     elif spec.op == "append_kv":
-        ctx.update(ctype_kv=_CTYPE[spec.dtype_kv], head_dim=spec.head_dim_qk, page_size=spec.page_size,
+        ctx.update(ctype_kv=dtypes.of(spec.dtype_kv).ctype, head_dim=spec.head_dim_qk, page_size=spec.page_size,
                    hnd=cpp_bool(spec.layout == "HND"), block=128)
         kernels["attnjit_append_kv"] = KernelInfo("attnjit_append_kv", 128, 0, PARAMS["append"])
     return ctx, kernels

@@ -223,12 +223,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     """Returns a copy of the cache with token i written at its request's page and slot."""
     ck, cv = (t.clone() for t in split_cache(paged_kv_cache))
     for i, (b, p) in enumerate(zip(batch_indices, positions)):
-        page = kv_indices[kv_indptr[b] + p // page_size]
-        slot = p % page_size
-        if layout == "NHD":
-            ck[page, slot], cv[page, slot] = append_key[i], append_value[i]
-        else:
-            ck[page, :, slot], cv[page, :, slot] = append_key[i], append_value[i]
+        write_slots((ck, cv), kv_indices[kv_indptr[b] + p // page_size], p % page_size, append_key[i],
+                    append_value[i], layout)
     return ck, cv
 
 

@@ -361,7 +361,7 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_r
         return -1
     if page_range is not None and len(page_range) == 1:   # the page ids themselves, copied to the host
         indices = page_range[0]
-    if page_range is not None and len(page_range) == 2 and indices.device.type != "cpu":
+    if page_range is not None and len(page_range) == 2:  # device page ids' (min, max)
         lo, hi = int(page_range[0]), int(page_range[1])
     elif indices.device.type == "cpu":
         ids = indices[:used]

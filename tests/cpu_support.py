@@ -159,3 +159,42 @@ def flip_cubin_byte(d: Path) -> None:
     data = bytearray((d / "kernel.cubin").read_bytes())
     data[len(data) // 3] ^= 0x01
     (d / "kernel.cubin").write_bytes(bytes(data))
+
+
+# --- real compiles (nvcc, cuobjdump) ------------------------------------------------------------------------------
+
+def cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel (the test extra installs it)."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for base in sys.path:
+        for cand in Path(base).glob("nvidia/cu*/bin/cuobjdump"):
+            return str(cand)
+    return None
+
+
+def compile_kernel(tmp_path: Path, spec: AttentionSpec, *, sass: bool = False) -> tuple[str, str | None]:
+    """Render ``spec`` and compile it with nvcc for its arch (asserts success): (ptxas log, SASS or None)."""
+    from attnjit.generator import render
+
+    src = tmp_path / f"{abs(hash(spec))}.cu"
+    cubin = src.with_suffix(".cubin")
+    src.write_text(render(spec).source)
+    proc = subprocess.run([str(nvcc().path), *flags_for(spec.arch), "-o", str(cubin), str(src)], capture_output=True,
+                          text=True)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log
+    if not sass:
+        return log, None
+    tool = cuobjdump()
+    assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
+    return log, subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def assert_no_spills(log: str, sass: str | None = None, what: str = "the kernel") -> None:
+    """ptxas reports no spill stores or loads for any kernel; with ``sass``, no local-memory instruction either."""
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    assert spills and all(a == "0" and b == "0" for a, b in spills), log
+    if sass is not None:
+        assert not re.search(r"\b(LDL|STL)\b", sass), f"local memory in {what}"

@@ -117,6 +117,15 @@ def fp8_scales(kind: str, num_kv_heads: int, device) -> tuple:
     return 1 / 48, 1 / 40
 
 
+def fp8_kwargs(kv: str | None, kind: str, num_kv_heads: int, device) -> tuple[dict, dict]:
+    """An fp8 cache's (plan kwargs, run and reference kwargs): the kv type and fp8_scales(kind); ({}, {}) for
+    ``kv`` None (the cache has q's type)."""
+    if kv is None:
+        return {}, {}
+    ks, vs = fp8_scales(kind, num_kv_heads, device)
+    return {"kv_data_type": kv}, {"k_scale": ks, "v_scale": vs}
+
+
 def quantize(t: torch.Tensor, scale, head_axis: int, dtype: torch.dtype) -> torch.Tensor:
     """t / scale in ``dtype`` (fp8); a per-head scale divides along ``head_axis``."""
     if isinstance(scale, torch.Tensor):

@@ -18,6 +18,8 @@ from attnjit.generator import INCLUDE_DIR, TEMPLATE_DIR, render
 from attnjit.specs import AttentionSpec, SpecError
 from attnjit.toolchain import flags_for, nvcc
 
+from .cpu_support import assert_no_spills, compile_kernel
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFILL = dict(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4)
 DECODE = dict(op="decode", head_dim=128, page_size=16, dtype="bf16", group_size=4)
@@ -120,20 +122,6 @@ def test_fa2_compiles_for_sm80(tmp_path):
     assert (tmp_path / "k.cubin").stat().st_size > 0
 
 
-def _cuobjdump() -> str | None:
-    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel (the test extra installs it)."""
-    import shutil
-    import sys
-
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for base in sys.path:
-        for cand in Path(base).glob("nvidia/cu*/bin/cuobjdump"):
-            return str(cand)
-    return None
-
-
 @pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim,page_size,dtype,tile", [(128, 16, "bf16", None), (64, 1, "fp16", None),
                                                        (256, 0, "bf16", None), (128, 16, "bf16", "kv64s3"),
@@ -144,18 +132,7 @@ def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dt
     kv = {"kv": "ragged"} if page_size == 0 else {"page_size": page_size}
     spec = AttentionSpec(op="prefill", head_dim=head_dim, dtype=dtype, mask="causal", group_size=4, family="sm90",
                          arch="sm_90a", tile=tile, **kv)
-    src = tmp_path / "k.cu"
-    src.write_text(render(spec).source)
-    cubin = tmp_path / "k.cubin"
-    proc = subprocess.run([str(nvcc().path), *flags_for("sm_90a"), "-o", str(cubin), str(src)],
-                          capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert "serialized" not in log, log
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), log
-    tool = _cuobjdump()
-    assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert_no_spills(log, sass, "the sm90 kernel")
     assert "HGMMA" in sass
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the sm90 kernel"

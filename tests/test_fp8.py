@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import subprocess
 
 import pytest
 import torch
@@ -16,12 +15,12 @@ import attnjit
 from attnjit import dtypes, reference
 from attnjit.generator import render
 from attnjit.specs import AttentionSpec, SpecError, load_catalog
-from attnjit.toolchain import flags_for, nvcc
 
 from .helpers import i32
-from .test_families import _cuobjdump
+from .cpu_support import assert_no_spills, compile_kernel
 
 DECODE = dict(op="decode", head_dim=128, page_size=16, group_size=4)
+BF16_Q_E4M3_DECODE = AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE)
 
 
 # --- the element-type table and specs ---------------------------------------------------------------------------
@@ -86,33 +85,15 @@ def test_a_catalog_names_fp8_kv(tmp_path):
 
 # --- compiles ------------------------------------------------------------------------------------------------
 
-def _compile(tmp_path, spec: AttentionSpec) -> tuple[str, str]:
-    src, cubin = tmp_path / "k.cu", tmp_path / "k.cubin"
-    src.write_text(render(spec).source)
-    proc = subprocess.run([str(nvcc().path), *flags_for(spec.arch), "-o", str(cubin), str(src)], capture_output=True,
-                          text=True)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    tool = _cuobjdump()
-    assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
-    return log, subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-
-
 def _spilled(log: str) -> int:
     """Bytes of spill stores over the module's kernels."""
     return sum(int(a) for a in re.findall(r"(\d+) bytes spill stores", log))
 
 
-def _no_spills(log: str, sass: str) -> None:
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), log
-    assert not re.search(r"\b(LDL|STL)\b", sass), "local memory in the kernel"
-
-
 @pytest.mark.nvcc
 def test_sm90a_fp8_decode_uses_the_hardware_convert_and_does_not_spill(tmp_path):
-    log, sass = _compile(tmp_path, AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE))
-    _no_spills(log, sass)
+    log, sass = compile_kernel(tmp_path, BF16_Q_E4M3_DECODE, sass=True)
+    assert_no_spills(log, sass)
     assert "F2FP.F16.E4M3.UNPACK_B" in sass  # cvt.rn.f16x2.e4m3x2
     assert "HMUL2" not in sass               # not the sm_80 bit path
 
@@ -122,7 +103,7 @@ def test_bf16_q_over_fp8_multiplies_in_fp16_from_registers(tmp_path):
     """The fp8 bytes go from the staged tile into fp16 mma operands (fa2/fp8_frags.cuh): every tensor-core op of a
     bf16-q fp8 decode is fp16, the high half of an ldmatrix word is converted in place (R.H1, no shift), and the
     K and V fragments come from ldmatrix (plain and transposed) on the staged bytes."""
-    _, sass = _compile(tmp_path, AttentionSpec(dtype_q="bf16", dtype_kv="e4m3", arch="sm_90a", **DECODE))
+    _, sass = compile_kernel(tmp_path, BF16_Q_E4M3_DECODE, sass=True)
     hmma = re.findall(r"HMMA\.16816\.F32(\.BF16)?", sass)
     assert hmma and not any(hmma), "a bf16 mma in the fp8 kernel"
     assert re.search(r"F2FP\.F16\.E4M3\.UNPACK_B R\d+, R\d+\.H1", sass)
@@ -159,11 +140,11 @@ def test_fp8_tiles_convert_in_registers_unless_a_key_transform():
 def test_fp8_kernels_compile_without_spills(tmp_path, spec):
     """Decode and append do not spill. Prefill's wide tile runs at 255 registers: its 16-bit twin spills 4 bytes at
     head_dim 128, the fp8 one at most 8 (reloaded in the loop: 40 bytes of spill loads; the narrow tile none)."""
-    log, sass = _compile(tmp_path, spec)
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
     if spec.op == "prefill":
         assert _spilled(log) <= 8, log
     else:
-        _no_spills(log, sass)
+        assert_no_spills(log, sass)
     if spec.op != "append_kv":
         assert ("F2FP" in sass and "E4M3" in sass) if spec.arch == "sm_90a" else "E4M3" not in sass
 

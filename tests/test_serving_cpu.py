@@ -5,8 +5,6 @@ The numbers are pinned by tests/gpu/test_serving.py against float64 references."
 from __future__ import annotations
 
 import math
-import re
-import subprocess
 
 import pytest
 import torch
@@ -19,8 +17,8 @@ from attnjit.ops.attention import (BatchDecodeWithPagedKVCacheWrapper, BatchPref
                                    BatchPrefillWithRaggedKVCacheWrapper)
 from attnjit.ops.sinks import BatchAttentionWithAttentionSinkWrapper
 from attnjit.specs import AttentionSpec
-from attnjit.toolchain import flags_for, nvcc
 from tests.gpu.cases import GAINS
+from tests.cpu_support import assert_no_spills, compile_kernel
 from tests.helpers import i32
 
 H_Q, H_KV, D, PS = 32, 8, 128, 4
@@ -258,13 +256,7 @@ def test_forward_takes_the_plans_options_and_rejects_others():
 # --- compiles (real nvcc) -----------------------------------------------------------------------------------------
 
 def _compile(tmp_path, spec) -> str:
-    src = tmp_path / f"{abs(hash(spec))}.cu"
-    src.write_text(render(spec).source)
-    proc = subprocess.run([str(nvcc().path), *flags_for(spec.arch), "-o", str(src.with_suffix(".cubin")), str(src)],
-                          capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log
-    return log
+    return compile_kernel(tmp_path, spec)[0]
 
 
 @pytest.mark.nvcc
@@ -278,9 +270,7 @@ def test_rope_and_sink_kernels_compile_without_spills(tmp_path, family, op, vari
     kw = dict(mask="causal") if op == "prefill" else {}
     spec = AttentionSpec(op=op, head_dim=128, page_size=16, dtype="bf16", group_size=4, family=family, variant=v,
                          **kw)
-    log = _compile(tmp_path, spec)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert spills and all(a == "0" and b == "0" for a, b in spills), log
+    assert_no_spills(_compile(tmp_path, spec))
 
 
 # --- cascade: plan() validation -----------------------------------------------------------------------------------
@@ -411,6 +401,5 @@ def test_non_power_of_two_pages_compile(tmp_path, family, op, page_size, layout)
                          layout=layout, **kw)
     log = _compile(tmp_path, spec)
     if family == "sm90" or op == "decode":
-        spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-        assert spills and all(a == "0" and b == "0" for a, b in spills), log
+        assert_no_spills(log)
     _compile(tmp_path, AttentionSpec(op="append_kv", head_dim=128, page_size=page_size, dtype="bf16", layout=layout))

@@ -27,6 +27,11 @@ DEC_LONG = (131072,)                                          # 128K history
 DEC_MANY = tuple(1 + (i * 37) % 600 for i in range(300))      # fills the GPU: no split
 
 
+def families_for(kind: str, kv: str | None) -> tuple[str, ...]:
+    """Prefill runs on both families; decode and an fp8 cache on fa2 (sm90 declines them)."""
+    return ("fa2",) if kind == "decode" or kv else FAMILIES
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -53,7 +58,7 @@ class Case:
     def families(self) -> tuple[str, ...]:
         """The kernel families this case runs on (its axis in the matrix): prefill on both, decode and an fp8
         cache on fa2."""
-        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
+        return families_for(self.kind, self.kv)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         dt = dtypes.lookup(self.dtype).name
@@ -252,7 +257,7 @@ class VariantCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
+        return families_for(self.kind, self.kv)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         base = replace(_P if self.kind == "paged" else _R if self.kind == "ragged" else _D, dtype=self.dtype,
@@ -306,7 +311,7 @@ class ServingCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return ("fa2",) if self.kind == "decode" or self.kv else FAMILIES
+        return families_for(self.kind, self.kv)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         kind = "paged" if self.kind == "sink_wrapper" else self.kind

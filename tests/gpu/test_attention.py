@@ -11,7 +11,7 @@ import torch
 import attnjit
 from attnjit import dtypes, reference
 
-from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, page_tables, poisoned,
+from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, page_tables, poisoned,
                        quantize, quantize_cache)
 from .cases import BACKEND, MATRIX, TILE_MATRIX, Case
 
@@ -32,18 +32,10 @@ def _cache_arg(cache: torch.Tensor, as_tuple: bool):
     return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
 
 
-def _fp8(case: Case) -> tuple[dict, dict]:
-    """An fp8 case's (plan kwargs, run and reference kwargs): the kv type and the scales; ({}, {}) otherwise."""
-    if case.kv is None:
-        return {}, {}
-    ks, vs = fp8_scales(case.scale, case.heads[1], DEV)
-    return {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
-
-
 def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None):
     hq, hkv = case.heads
     d = case.head_dim
-    kv_plan, scales = _fp8(case)
+    kv_plan, scales = fp8_kwargs(case.kv, case.scale, case.heads[1], DEV)
     kv_dtype = dtypes.lookup(case.kv).torch if case.kv else None
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,

@@ -16,7 +16,7 @@ import attnjit
 from attnjit import dtypes, reference
 from attnjit.reference import Hooks
 
-from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, poisoned,
+from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, poisoned,
                        quantize_cache)
 from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, SERVING_MATRIX, ServingCase
 
@@ -80,7 +80,8 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
     backend = BACKEND[family]
     dtype = case.dtype
     sinks = sink_values(seed).to(DEV) if case.feature.startswith("sink") else None
-    hooks = hooks_for(case, sinks, fp8_scales("float", H_KV, DEV)[0] if case.kv else 1.0)
+    fp8_plan, fp8_run = fp8_kwargs(case.kv, "float", H_KV, DEV)  # RoPE over fp8: converted in shared memory
+    hooks = hooks_for(case, sinks, fp8_run.get("k_scale", 1.0))
     run_kw = {"sinks": sinks} if sinks is not None and case.kind != "sink_wrapper" else {}
     causal = case.causal and case.kind != "decode"
     if case.kind == "ragged":
@@ -100,11 +101,8 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
                        device=DEV, seed=seed)
         qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
         out, lse = poisoned(b.q.shape, dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
-        cache, fp8_plan, fp8_run = b.cache, {}, {}
-        if case.kv:  # an fp8 cache with a key transform: converted to q's type in shared memory, then rotated
-            ks, vs = fp8_scales("float", H_KV, DEV)
-            cache = quantize_cache(b.cache, ks, vs, "NHD", dtypes.of(case.kv).torch)
-            fp8_plan, fp8_run = {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
+        cache = b.cache if not case.kv else quantize_cache(b.cache, fp8_run["k_scale"], fp8_run["v_scale"], "NHD",
+                                                           dtypes.of(case.kv).torch)
         if case.kind == "decode":
             w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, backend=backend)
             w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **fp8_plan, **plan_args(case))

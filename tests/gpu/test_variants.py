@@ -14,7 +14,7 @@ import attnjit
 from attnjit import dtypes, reference
 from attnjit.reference import Hooks
 
-from ..helpers import (assert_close, assert_lse_close, fp8_scales, i32, make_paged, make_ragged, poisoned, quantize,
+from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, poisoned, quantize,
                        quantize_cache)
 from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VariantCase
 
@@ -82,10 +82,7 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
     split = {"force": {"fixed_split_size": 128}}.get(case.split, {})
     hooks = hooks_for(case, masks, head_scale)
     params = run_params(case, head_scale)
-    fp8_plan, scales = {}, {}
-    if case.kv:  # an fp8 cache: quantized here, the same bytes for the kernel and the reference
-        ks, vs = fp8_scales("float", H_KV, DEV)
-        fp8_plan, scales = {"kv_data_type": case.kv}, {"k_scale": ks, "v_scale": vs}
+    fp8_plan, scales = fp8_kwargs(case.kv, "float", H_KV, DEV)  # an fp8 cache: quantized here for both
     fp8 = dtypes.of(case.kv).torch if case.kv else None
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(qo_lens, kv_lens, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,

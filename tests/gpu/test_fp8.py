@@ -93,7 +93,8 @@ def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
     qo = (1,) * len(DEC_MED) if op == "decode" else MIXED_QO
     b = make_paged(qo, DEC_MED if op == "decode" else MIXED_KV, page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV,
                    head_dim=D, dtype=torch.bfloat16, device=DEV, seed=31)
-    mag = torch.logspace(-30, 6, H_Q, dtype=torch.float64)[torch.randperm(H_Q, generator=torch.Generator().manual_seed(3))]
+    order = torch.randperm(H_Q, generator=torch.Generator().manual_seed(3))
+    mag = torch.logspace(-30, 6, H_Q, dtype=torch.float64)[order]
     q = (b.q.double() * mag.to(DEV)[None, :, None]).to(torch.bfloat16)
     ks, vs = fp8_scales("float", H_KV, DEV)
     cache = quantize_cache(b.cache, ks, vs, "NHD", torch.float8_e4m3fn)

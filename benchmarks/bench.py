@@ -273,6 +273,21 @@ def sweep_order(rows) -> list[dict]:
     return out
 
 
+def sweep_sm90(rows) -> list[dict]:
+    """Every sm90 tile configuration of the default spec on the prefill rows, with FlashInfer fa3 and cuDNN in the
+    same process (what the family's default should be; ``attnjit tune`` does this per spec on one shape)."""
+    from attnjit.families import sm90
+
+    tiles = tuple(sm90.CONFIGS)
+    fi = load_flashinfer()
+    res: list[dict] = []
+    prefill.bench_rows(fi, rows, res, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
+                       families=tuple(f"fa3@{t}" for t in tiles),
+                       fi_backends=("fa3",))
+    print(prefill.tile_table(res, tiles), flush=True)
+    return res
+
+
 def table(results, copy_tbps: float) -> str:
     lines = ["| op | shape | attnjit | FlashInfer | ratio | attnjit / ceiling |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -309,6 +324,8 @@ def main() -> int:
         "order_sweep": ("time prefill work orders (sweep_order)", lambda: sweep_order(PREFILL_ROWS)),
         "deep_sweep": ("time the deep decode tile variants in SWEEP_DEEP", lambda: sweep_deep(SMALL_DECODE_ROWS)),
         "fp8_sweep": ("time the fp8 decode tile variants in SWEEP_FP8", lambda: sweep_fp8(FP8_SWEEP_ROWS)),
+        "sm90_sweep": ("time the sm90 tile configurations (sweep_sm90)",
+                       lambda: sweep_sm90(prefill.MAIN + [r for r in prefill.EXTRA if r.head_dim == 128])),
     }
     for flag, (text, _) in sweeps.items():
         ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=text)

@@ -67,11 +67,16 @@ def _inputs(row: Row, seed: int):
 
 
 def _attnjit(ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan_kw):
+    """``backend``: a wrapper backend, or "fa3@TILE" (the sm90 family on one of its tile configurations)."""
+    backend, _, tile = backend.partition("@")
+    tile = tile or None
     if not row.page_size:
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend=backend, variant=plan_kw.pop("variant", None))
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend=backend, variant=plan_kw.pop("variant", None),
+                                                         tile=tile)
         w.plan(qo_indptr, qo_indptr, H_Q, H_KV, row.head_dim, causal=row.causal, q_data_type=DT, **plan_kw)
         return w, (lambda out, **run: w.run(q, kv[0], kv[1], out=out, **run))
-    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend, variant=plan_kw.pop("variant", None))
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend, variant=plan_kw.pop("variant", None),
+                                                    tile=tile)
     w.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal, q_data_type=DT, **plan_kw)
     return w, (lambda out, **run: w.run(q, kv, out=out, **run))
 
@@ -98,7 +103,7 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True, fami
         r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
         ref = None
         for backend in families:
-            name = "attnjit" if backend == "auto" else f"attnjit_{backend}"
+            name = "attnjit" if backend == "auto" else f"attnjit_{backend.replace('@', '_')}"
             w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, backend)
             out = torch.empty_like(q)
             r[f"{name}_ms"] = time_ms(lambda: run(out))
@@ -191,6 +196,22 @@ def table(rows, ceiling: float) -> str:
         label = r["label"] + (f" ({r['tag']})" if r.get("tag") else "")
         lines.append(f"| {label} | {r['shape']} | " + " | ".join(cells) +
                      f" | {ratio(a, t['flashinfer_fa3'])} | {ratio(a, t['sdpa_cudnn'])} | {a / ceiling:.0%} |")
+    return "\n".join(lines)
+
+
+def tile_table(rows, tiles) -> str:
+    """The sm90 tile sweep: TFLOP/s of each configuration, and each against the first, FlashInfer fa3 and cuDNN."""
+    names = [f"attnjit_fa3_{t}" for t in tiles]
+    head = "| row | shape | " + " | ".join(tiles) + " | best / first | best / FI fa3 | best / cuDNN |"
+    lines = [head, "|" + "---|" * (len(tiles) + 5)]
+    for r in rows:
+        t = [r.get(f"{n}_tflops") or 0.0 for n in names]
+        best = max(t)
+        ratio = lambda a, b: f"{a / b:.3f}" if a and b else "-"  # noqa: E731
+        label = r["label"] + (f" ({r['tag']})" if r.get("tag") else "")
+        lines.append(f"| {label} | {r['shape']} | " + " | ".join(f"{x:.0f}" for x in t) +
+                     f" | {ratio(best, t[0])} | {ratio(best, r.get('flashinfer_fa3_tflops'))} |"
+                     f" {ratio(best, r.get('sdpa_cudnn_tflops'))} |")
     return "\n".join(lines)
 
 

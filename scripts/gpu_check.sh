@@ -13,7 +13,8 @@
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
 #   STAGES: all (= tests,model,bench) or a comma-separated list of smoke (each family on a few batches, under a
 #   timeout), tests, model, bench, sweep (tile variants), order (prefill work orders), dsweep (deep decode tile
-#   variants, small batches), fsweep (fp8 decode tile variants), profile (Nsight Compute,
+#   variants, small batches), fsweep (fp8 decode tile variants), tsweep (the sm90 tile configurations against
+#   FlashInfer fa3 and cuDNN), profile (Nsight Compute,
 #   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
 #   the benchmark spec); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
@@ -39,8 +40,8 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|profile|tune|plan) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, dsweep, fsweep, profile, tune, plan; or pack)" >&2; exit 2;;
+  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan) ;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -98,10 +99,11 @@ if has tests; then
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -40
 fi
 
-for s in sweep order dsweep fsweep; do
+for s in sweep order dsweep fsweep tsweep; do
   has $s || continue
   t=$(date +%s); flag=--sweep; [ $s = order ] && flag=--order-sweep; [ $s = dsweep ] && flag=--deep-sweep
   [ $s = fsweep ] && flag=--fp8-sweep
+  [ $s = tsweep ] && flag=--sm90-sweep && setup_flashinfer
   python3 benchmarks/bench.py $flag --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
   summary+=("$s (rc=$?, $(( $(date +%s) - t )) s)")
 done
@@ -165,6 +167,7 @@ if has profile; then   # Nsight Compute on the short prefill rows, attnjit and F
       "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \
         -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py $op $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
+      "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page raw --csv 2>&1 | xz -T0 >"$OUT/raw-$who-$shape.csv.xz"   # every metric
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page source --csv --print-source sass >"/tmp/src-$who-$shape.csv" 2>&1
       python3 benchmarks/ncu_source.py "/tmp/src-$who-$shape.csv" 30 >"$OUT/stalls-$who-$shape.txt" 2>&1
       cp "/tmp/src-$who-$shape.csv" "$OUT/"
@@ -194,7 +197,7 @@ fi
 
 echo "=== summary ($(( $(date +%s) - t0 )) s)"
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
-for s in sweep order dsweep fsweep ncu-summary; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
+for s in sweep order dsweep fsweep tsweep ncu-summary; do [ -f "$OUT/$s.txt" ] && cat "$OUT/$s.txt"; done
 [ -f "$OUT/bench.txt" ] && cat "$OUT/bench.txt"
 [ -f "$OUT/model.txt" ] && cat "$OUT/model.txt"
 # the device tool brings back only a few files: everything else travels as one archive

@@ -125,7 +125,7 @@ def test_fa2_compiles_for_sm80(tmp_path):
 @pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim,page_size,dtype,tile", [(128, 16, "bf16", None), (64, 1, "fp16", None),
                                                        (256, 0, "bf16", None), (128, 16, "bf16", "kv64s3"),
-                                                       (128, 16, "fp16", "kv128q1")])
+                                                       (128, 16, "fp16", "kv128q1"), (128, 16, "fp16", "kv128t8")])
 def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dtype, tile):
     """The sm90 family's kernels compile for sm_90a with real nvcc; the SASS has HGMMA (wgmma) and no local memory,
     and ptxas reports no spills and no serialized wgmma."""

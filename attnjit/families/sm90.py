@@ -44,6 +44,7 @@ class Tile:
     q_stages: int = 2  # Q tiles: 2 lets the producer load the next item's Q while the consumers finish this one
     consumers: int = 2
     min_blocks: int = 1
+    tau: int = 0       # the running max moves only past max + tau (log2 units): fewer O rescales, P <= 2^tau
 
     @property
     def cta_q(self) -> int:
@@ -62,7 +63,8 @@ class Tile:
 
     @property
     def name(self) -> str:
-        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}q{self.q_stages}_ws"
+        tau = f"_t{self.tau}" if self.tau else ""
+        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}q{self.q_stages}{tau}_ws"
 
     @property
     def kernel(self) -> str:
@@ -75,6 +77,7 @@ CONFIGS: dict[str, dict[str, int]] = {
     "kv128": dict(cta_kv=128, stages=2, q_stages=2),    # 128 x 128 tiles; the next item's Q loads under this one
     "kv128q1": dict(cta_kv=128, stages=2, q_stages=1),  # one Q tile (the v1 kernel)
     "kv64s3": dict(cta_kv=64, stages=3, q_stages=2),    # smaller K/V tiles, one more in flight
+    "kv128t8": dict(cta_kv=128, stages=2, q_stages=2, tau=8),  # O rescaled only when a row max grows past m + 8
 }
 CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q_stages=1)}
 

@@ -197,8 +197,10 @@ MATRIX = [(c, f) for c in ALL for f in c.families]
 # the sm90 family's other tile configurations (attnjit tune picks among them) on a few cases
 TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_P, name="paged-prefill-only", qo_lens=PREFILL_QO, kv_lens=PREFILL_KV),
-              replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False)]
-TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3")]
+              replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False),
+              replace(_P, name="paged-fp16-mha", dtype=torch.float16, heads=(8, 8)),
+              replace(_P, name="paged-logits+1000-tiles", offset=1000.0)]
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [

@@ -106,7 +106,7 @@ def test_sm90_tile_configurations_match_reference(case: Case, tile: str, workspa
 def test_tuning_record_picks_the_tile_plan_runs(workspace, tmp_path, monkeypatch):
     """attnjit tune on this GPU writes a record; a fresh wrapper's plan() then runs the recorded tile, and the
     dispatch record names it."""
-    from attnjit import tuning
+    from attnjit import families, tuning
     from attnjit.cache import Cache
     from attnjit.families import tiles_for
     from attnjit.tune import tune
@@ -115,7 +115,8 @@ def test_tuning_record_picks_the_tile_plan_runs(workspace, tmp_path, monkeypatch
     tuning.clear_memo()
     spec = Case("t", "paged", (1,), (1,)).spec("sm90")
     outcome = tune(spec, batch=2, length=512, reps=3, cache=Cache(tmp_path / "cache"))
-    assert outcome.best in ("kv128", "kv128q1", "kv64s3") and set(outcome.ms) == {"kv128", "kv128q1", "kv64s3"}
+    names = families.tile_names(spec)
+    assert outcome.best in names and set(outcome.ms) == set(names) and len(names) >= 3
     b = make_paged((300,), (400,), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                    dtype=torch.bfloat16, device=DEV, seed=12)
     w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)

@@ -210,7 +210,13 @@ struct Consumer {
         for (int j = 0; j < N / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
         raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
-        const float mx = fmaxf(m[r], raw * sc);
+        float mx;
+        if constexpr (Tr::TAU == 0) {
+          mx = fmaxf(m[r], raw * sc);
+        } else {  // a max within TAU of the running one leaves it (and O) as they are
+          const float cand = raw * sc;
+          mx = cand > m[r] + static_cast<float>(Tr::TAU) ? cand : m[r];
+        }
         const float m_safe = mx == neg_inf() ? 0.f : mx;
         alpha[r] = fast_exp2(m[r] - m_safe);
         moved |= mx != m[r];

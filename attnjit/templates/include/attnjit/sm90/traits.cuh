@@ -7,7 +7,7 @@
 namespace attnjit {
 
 template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
-          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, typename VARIANT_ = NoVariant>
+          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
   using T = T_;
   using TKV = T_;  // the cache's element type (an fp8 cache runs on fa2: families/sm90.py)
@@ -26,6 +26,9 @@ struct Sm90Traits {
   static constexpr int CTA_KV = CTA_KV_;                   // kv tokens per tile
   static constexpr int NUM_STAGES = NUM_STAGES_;           // K and V tiles in flight (each its own ring)
   static constexpr int Q_STAGES = Q_STAGES_;               // Q tiles: 2 lets the next item's Q load under this one
+  // a row's running max moves only when a tile's max exceeds it by more than TAU (log2 units): P is then at most
+  // 2^TAU, and O is rescaled far less often. 0: every larger max moves it.
+  static constexpr int TAU = TAU_;
   static constexpr int NUM_THREADS = 128 * (CONSUMERS + 1);
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   // setmaxnreg budgets. The CTA starts with LAUNCH_REGS per thread (64K / threads, rounded down to a multiple of 8:
@@ -58,6 +61,7 @@ struct Sm90Traits {
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
   static_assert(Q_STAGES >= 1, "at least one Q tile");
+  static_assert(TAU >= 0 && TAU <= 16, "P is at most 2^TAU: past 2^16 it would overflow fp16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,

@@ -1,0 +1,165 @@
+"""A timeline of the sm90 consumer's main loop: clock64 stamps at each phase of each iteration, per warpgroup.
+
+The kernel is the family's own with stamps inserted into its rendered source (the production headers carry none):
+the first warp of each consumer warpgroup writes clock64 at seven points of every steady main-loop iteration (up to
+MAX_REC per warpgroup) into the workspace's partial-output region, which an unsplit plan leaves unused. The report
+gives each phase's mean length and how much of the time both warpgroups are in their softmax at once.
+
+    python3 benchmarks/sm90_timeline.py --build 1x8192 8x2048    # compile the stamped kernel (no GPU needed)
+    python3 benchmarks/sm90_timeline.py 1x8192 8x2048            # run and report (GPU)
+
+Phases of iteration j (T0..T6): T0 -> T1 waiting for K(j) and the turn, then issuing S(j) = Q K^T; T1 -> T2 rescaling
+O, waiting for V(j-1), issuing P(j-1) V(j-1); T2 -> T3 passing the turn and waiting for S(j); T3 -> T4 the softmax;
+T4 -> T5 waiting for P(j-1) V(j-1); T5 -> T6 packing P(j).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import attnjit  # noqa: E402
+from attnjit import generator, jit  # noqa: E402
+from attnjit.specs import AttentionSpec  # noqa: E402
+
+MAX_REC = 256
+PHASES = ("K + turn + issue S", "rescale O + V + issue PV", "pass + wait S", "softmax", "wait PV", "pack P")
+
+_MEMBER = "  bool rescale = false;"
+_STAMP = (_MEMBER + """
+  int tl_rec = 0;
+  __device__ __forceinline__ void tl(int k) {
+    long long t = clock64();
+    if ((threadIdx.x & 127) == 0 && tl_rec < %d)
+      reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 + k] = t;
+  }""" % (MAX_REC, MAX_REC))
+_LOOP = """    for (int j = 1; j < n; ++j) {
+      qk_turn(kr, j);
+      rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
+      wait_full(sm.v_full(vr.stage), vr.phase);
+      pv_issue(vr);
+      pass_turn();
+      wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
+      done_with_k(kr);
+      softmax(j, scale2);
+      wgmma_wait<0>();
+      done_with_v(vr);
+      pack_p();
+    }"""
+_LOOP_STAMPED = """    for (int j = 1; j < n; ++j) {
+      tl(0);
+      qk_turn(kr, j);
+      tl(1);
+      rescale_o();
+      wait_full(sm.v_full(vr.stage), vr.phase);
+      pv_issue(vr);
+      tl(2);
+      pass_turn();
+      wgmma_wait<1>();
+      done_with_k(kr);
+      tl(3);
+      softmax(j, scale2);
+      tl(4);
+      wgmma_wait<0>();
+      done_with_v(vr);
+      tl(5);
+      pack_p();
+      tl(6);
+      ++tl_rec;
+    }"""
+
+
+def _stamped(render):
+    def render_stamped(spec):
+        r = render(spec)
+        if spec.family != "sm90":
+            return r
+        src = r.source
+        if src.count(_MEMBER) != 1 or src.count(_LOOP) != 1:
+            raise SystemExit("sm90_timeline.py: the consumer's main loop changed; update _LOOP and _MEMBER")
+        src = src.replace(_MEMBER, _STAMP).replace(_LOOP, _LOOP_STAMPED)
+        return generator.Rendered(spec=r.spec, source=src, kernels=r.kernels, template=r.template)
+    return render_stamped
+
+
+def _spec(causal: bool) -> AttentionSpec:
+    return AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal" if causal else "none",
+                         group_size=4, family="sm90", arch="sm_90a")
+
+
+def report(stamps, cycles_per_ns: float | None = None) -> dict:
+    """Phase means (cycles) and the share of time both warpgroups of a CTA are in their softmax at once."""
+    import numpy as np
+
+    t = stamps.reshape(-1, 2, MAX_REC, 8)[..., :7].astype(np.int64)   # [cta, wg, rec, 7]
+    valid = (t[..., 0] > 0) & (t[..., 6] > t[..., 0])
+    d = np.diff(t, axis=-1)                                          # [cta, wg, rec, 6]
+    phases = {name: float(d[..., i][valid].mean()) for i, name in enumerate(PHASES)}
+    iteration = float((t[..., 6] - t[..., 0])[valid].mean())
+    # overlap of the two warpgroups' softmax intervals [T3, T4], per CTA, over the records both have
+    both = 0
+    total = 0
+    for c in range(t.shape[0]):
+        n = int(min(valid[c, 0].sum(), valid[c, 1].sum()))
+        if n < 4:
+            continue
+        a = [(t[c, 0, i, 3], t[c, 0, i, 4]) for i in range(n)]
+        b = [(t[c, 1, i, 3], t[c, 1, i, 4]) for i in range(n)]
+        for s0, e0 in a:
+            total += e0 - s0
+            for s1, e1 in b:
+                both += max(0, min(e0, e1) - max(s0, s1))
+    c0 = t[0, :, :12, :] - t[0, 0, 0, 0]  # CTA 0's first iterations, both warpgroups, from its first stamp
+    return {"iteration_cycles": iteration, "phase_cycles": phases, "records": int(valid.sum()),
+            "softmax_overlap": float(both / total) if total else None, "cta0": c0.tolist()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shapes", nargs="+", help="BxL of paged causal prefill rows")
+    ap.add_argument("--build", action="store_true", help="compile the stamped kernels into the cache and stop")
+    ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    jit.render = _stamped(jit.render)
+    spec = _spec(not args.non_causal)
+    if args.build:
+        jit.ensure(spec)
+        print("built", spec.short_name())
+        return 0
+    import torch
+
+    from benchmarks.tables import paged_tables
+
+    out = {}
+    for shape in args.shapes:
+        b, L = (int(x) for x in shape.split("x"))
+        indptr, indices, last, cache = paged_tables(b, L, seed=1)
+        qo = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
+        q = torch.randn(b * L, 32, 128, dtype=torch.bfloat16, device="cuda")
+        ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3")
+        w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=not args.non_causal, q_data_type=torch.bfloat16,
+               disable_split_kv=True)
+        for _ in range(3):
+            w.run(q, cache)
+        ws.zero_()
+        w.run(q, cache)
+        torch.cuda.synchronize()
+        n = 132 * 2 * MAX_REC * 8
+        stamps = ws[: n * 8].view(torch.int64).cpu().numpy()
+        out[shape] = report(stamps)
+        print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)
+        for wg in (0, 1):
+            print(f"  cta 0, warpgroup {wg}:", [row[:7] for row in out[shape]["cta0"][wg][:6]], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

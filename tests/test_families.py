@@ -136,3 +136,15 @@ def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dt
     assert "serialized" not in log, log
     assert_no_spills(log, sass, "the sm90 kernel")
     assert "HGMMA" in sass
+
+
+def test_sm90_timeline_tool_still_finds_the_consumer_loop():
+    """benchmarks/sm90_timeline.py inserts its stamps into the rendered sm90 source by matching the consumer's main
+    loop text: a change to that loop must update the tool (it stops with a message), not leave it measuring nothing."""
+    from benchmarks import sm90_timeline as tl
+
+    spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4,
+                         family="sm90", arch="sm_90a")
+    src = tl._stamped(render)(spec).source
+    assert src.count("tl(") == 7 + 1 and "++tl_rec;" in src and "clock64()" in src
+    assert tl._stamped(render)(spec.replace(family="fa2")).source == render(spec.replace(family="fa2")).source

@@ -1,4 +1,4 @@
-"""FP8 KV cache decode: issue 14 item 1's rows. ``python benchmarks/bench.py --only fp8`` runs them.
+"""FP8 KV cache decode and prefill: issue 14 item 1's rows. ``python benchmarks/bench.py --only fp8`` runs them.
 
 Workload: the decode rows of bench.py (H_q 32, H_kv 8, head_dim 128, bf16 q and out, page_size 16, NHD, pages
 shuffled), with the cache in e4m3 (k_scale, v_scale Python floats, so nothing syncs). Timed in one process:
@@ -11,6 +11,10 @@ shuffled), with the cache in e4m3 (k_scale, v_scale Python floats, so nothing sy
 Figures: KV tokens/s (batch * kv_len / time), the fp8 / bf16 ratio of attnjit (target >= 1.8: the same TB/s of half
 the bytes) and TB/s of fp8 bytes read (batch * kv_len * H_kv * D * 2 (K and V) * 1 byte / time). Both libraries
 read the same quantized cache; max_diff_vs_flashinfer is their outputs' largest difference.
+
+Prefill (bench_fp8_prefill): the paged causal rows of benchmarks/prefill.py with the cache in e4m3 under bf16 q,
+attnjit's default wrapper (plan() picks the family: sm90 reads only 16-bit caches, so fa2 runs) against the same rows
+over the bf16 cache (sm90) and FlashInfer's fa2 backend over the e4m3 cache; TFLOP/s as in prefill.py.
 """
 
 from __future__ import annotations
@@ -77,6 +81,58 @@ def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, w
         results.append(row)
         del cache8
         torch.cuda.empty_cache()
+
+
+def bench_fp8_prefill(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
+    import attnjit
+    from benchmarks import prefill
+
+    for i, row in enumerate(rows):
+        q, qo_indptr, cache, tables = prefill._inputs(row, seed=11 + i)
+        cache8 = torch.empty(cache.shape, dtype=FP8, device="cuda")
+        cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
+        cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+        r = {"op": "prefill fp8", "shape": row.shape, "label": row.label, "kv_dtype": "e4m3", "flops": row.flops}
+        w16, run16 = prefill._attnjit(ws, row, q, qo_indptr, cache, tables, "auto")
+        out16 = torch.empty_like(q)
+        r["attnjit_bf16_ms"] = time_ms(lambda: run16(out16))
+        r["attnjit_bf16_family"] = w16.last_plan["family"]
+        del cache
+        w8 = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        w8.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal, q_data_type=DT,
+                kv_data_type=FP8)
+        out8 = torch.empty_like(q)
+        r["attnjit_ms"] = time_ms(lambda: w8.run(q, cache8, out=out8, k_scale=K_SCALE, v_scale=V_SCALE))
+        r["attnjit_family"] = w8.last_plan["family"]
+        r["max_diff_vs_attnjit_bf16"] = (out8.float() - out16.float()).abs().max().item()
+        if fi is not None:
+            try:
+                fw = fi.BatchPrefillWithPagedKVCacheWrapper(ws_fi(), "NHD", backend="fa2")
+                fw.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal,
+                        q_data_type=DT, kv_data_type=FP8)
+                fout = torch.empty_like(q)
+                r["flashinfer_fa2_ms"] = time_ms(lambda: fw.run(q, cache8, out=fout, k_scale=K_SCALE,
+                                                                v_scale=V_SCALE))
+                r["max_diff_vs_flashinfer_fa2"] = (out8.float() - fout.float()).abs().max().item()
+            except Exception as exc:  # noqa: BLE001 (a module that was not prebuilt: say so, go on)
+                r["flashinfer_fa2_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        for k in ("attnjit_bf16", "attnjit", "flashinfer_fa2"):
+            if f"{k}_ms" in r:
+                r[f"{k}_tflops"] = row.flops / (r[f"{k}_ms"] * 1e-3) / 1e12
+        results.append(r)
+        del cache8
+        torch.cuda.empty_cache()
+
+
+def prefill_table(rows) -> str:
+    lines = ["| row | shape | attnjit bf16 cache (family) | attnjit e4m3 (family) | e4m3 / bf16 | FI fa2 e4m3 | "
+             "attnjit / FI |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        a, b, f = r["attnjit_tflops"], r["attnjit_bf16_tflops"], r.get("flashinfer_fa2_tflops")
+        lines.append(f"| {r['label']} | {r['shape']} | {b:.0f} ({r['attnjit_bf16_family']}) | {a:.0f} "
+                     f"({r['attnjit_family']}) | {a / b:.2f} | {f'{f:.0f}' if f else '-'} | "
+                     f"{f'{a / f:.2f}' if f else '-'} |")
+    return "\n".join(lines)
 
 
 def table(rows) -> str:

@@ -97,7 +97,6 @@ def bench_fp8_prefill(fi, rows, results: list, *, time_ms: Callable, ws: torch.T
         out16 = torch.empty_like(q)
         r["attnjit_bf16_ms"] = time_ms(lambda: run16(out16))
         r["attnjit_bf16_family"] = w16.last_plan["family"]
-        del cache
         w8 = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         w8.plan(qo_indptr, *tables, H_Q, H_KV, row.head_dim, row.page_size, causal=row.causal, q_data_type=DT,
                 kv_data_type=FP8)

@@ -2,7 +2,8 @@
 
 The kernel is the family's own with stamps inserted into its rendered source (the production headers carry none):
 the first warp of each consumer warpgroup writes clock64 at seven points of every steady main-loop iteration (up to
-MAX_REC per warpgroup) into the workspace's partial-output region, which an unsplit plan leaves unused. The report
+MAX_REC per warpgroup) into the workspace's partial-output region, which an unsplit plan leaves unused (tmp_o is
+the workspace's first byte: ops/_wrapper.py, _prepare), so the plans here disable split-KV. The report
 gives each phase's mean length and how much of the time both warpgroups are in their softmax at once.
 
     python3 benchmarks/sm90_timeline.py --build 1x8192 8x2048    # compile the stamped kernel (no GPU needed)
@@ -35,7 +36,8 @@ _STAMP = (_MEMBER + """
   __device__ __forceinline__ void tl(int k) {
     long long t = clock64();
     if ((threadIdx.x & 127) == 0 && tl_rec < %d)
-      reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 + k] = t;
+      reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 +
+                                                 k] = t;
   }""" % (MAX_REC, MAX_REC))
 _LOOP = """    for (int j = 1; j < n; ++j) {
       qk_turn(kr, j);
@@ -107,12 +109,10 @@ def report(stamps, cycles_per_ns: float | None = None) -> dict:
         n = int(min(valid[c, 0].sum(), valid[c, 1].sum()))
         if n < 4:
             continue
-        a = [(t[c, 0, i, 3], t[c, 0, i, 4]) for i in range(n)]
-        b = [(t[c, 1, i, 3], t[c, 1, i, 4]) for i in range(n)]
-        for s0, e0 in a:
-            total += e0 - s0
-            for s1, e1 in b:
-                both += max(0, min(e0, e1) - max(s0, s1))
+        s0, e0 = t[c, 0, :n, 3][:, None], t[c, 0, :n, 4][:, None]
+        s1, e1 = t[c, 1, :n, 3][None, :], t[c, 1, :n, 4][None, :]
+        total += int((e0 - s0).sum())
+        both += int(np.maximum(0, np.minimum(e0, e1) - np.maximum(s0, s1)).sum())
     c0 = t[0, :, :12, :] - t[0, 0, 0, 0]  # CTA 0's first iterations, both warpgroups, from its first stamp
     return {"iteration_cycles": iteration, "phase_cycles": phases, "records": int(valid.sum()),
             "softmax_overlap": float(both / total) if total else None, "cta0": c0.tolist()}
@@ -150,7 +150,7 @@ def main() -> int:
         ws.zero_()
         w.run(q, cache)
         torch.cuda.synchronize()
-        n = 132 * 2 * MAX_REC * 8
+        n = torch.cuda.get_device_properties(0).multi_processor_count * 2 * MAX_REC * 8  # the persistent grid
         stamps = ws[: n * 8].view(torch.int64).cpu().numpy()
         out[shape] = report(stamps)
         print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)

@@ -41,7 +41,8 @@ done
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
   case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan) ;;
-    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model, bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan; or pack)" >&2; exit 2;;
+    *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model," \
+            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -167,7 +168,9 @@ if has profile; then   # Nsight Compute on the short prefill rows, attnjit and F
       "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \
         -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py $op $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
-      "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page raw --csv 2>&1 | xz -T0 >"$OUT/raw-$who-$shape.csv.xz"   # every metric
+      # every metric (ncu's messages apart)
+      "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page raw --csv 2>"$OUT/raw-$who-$shape.err" |
+        xz -T0 >"$OUT/raw-$who-$shape.csv.xz"
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page source --csv --print-source sass >"/tmp/src-$who-$shape.csv" 2>&1
       python3 benchmarks/ncu_source.py "/tmp/src-$who-$shape.csv" 30 >"$OUT/stalls-$who-$shape.txt" 2>&1
       cp "/tmp/src-$who-$shape.csv" "$OUT/"

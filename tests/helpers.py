@@ -94,7 +94,10 @@ def make_paged(qo_lens, kv_lens, *, page_size, num_qo_heads, num_kv_heads, head_
                       q.to(dtype).to(device), cache.to(dtype).to(device))
 
 
-def make_ragged(qo_lens, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=0, offset=0.0):
+def make_ragged(qo_lens, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, dtype, device="cpu", seed=0, offset=0.0,
+                ramp=0.0):
+    """Ragged q, k, v; ``ramp`` scales key j of each request by 1 + ramp * j, so logits grow along the history and a
+    row's running max keeps moving from tile to tile."""
     gen = torch.Generator().manual_seed(seed)
     qo_indptr, kv_indptr = [0], [0]
     for q, k in zip(qo_lens, kv_lens):
@@ -104,6 +107,10 @@ def make_ragged(qo_lens, kv_lens, *, num_qo_heads, num_kv_heads, head_dim, dtype
     k = torch.randn(kv_indptr[-1], num_kv_heads, head_dim, generator=gen)
     v = torch.randn(kv_indptr[-1], num_kv_heads, head_dim, generator=gen)
     logit_offset(q, k, offset, 1.0 / math.sqrt(head_dim))
+    if ramp:
+        for i in range(len(kv_lens)):
+            n = kv_indptr[i + 1] - kv_indptr[i]
+            k[kv_indptr[i]:kv_indptr[i + 1]] *= (1 + ramp * torch.arange(n, dtype=k.dtype))[:, None, None]
     cast = lambda t: t.to(dtype).to(device)  # noqa: E731
     return qo_indptr, kv_indptr, cast(q), cast(k), cast(v)
 

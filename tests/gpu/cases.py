@@ -47,6 +47,7 @@ class Case:
     split: str = "auto"         # auto | force (fixed_split_size=128) | off (disable_split_kv)
     shared_prefix: bool = False
     offset: float = 0.0         # added to every logit (large-logit stability)
+    ramp: float = 0.0           # ragged: key j scaled by 1 + ramp * j (the running max moves tile after tile)
     kv: str | None = None       # an fp8 cache (e4m3 | e5m2) under q's type; None: the cache has q's type
     scale: str = "float"        # fp8: k_scale/v_scale as floats, or "tensor" (float32 [H_kv] per-head scales)
 
@@ -118,8 +119,10 @@ PAGED = [
     replace(_P, name="paged-d256-p528-fp16", head_dim=256, page_size=528, dtype=F16),
     replace(_P, name="paged-p1024", page_size=1024),
 ]
+_RAMP = replace(_R, name="ragged-rising-logits", ramp=1 / 25)  # the running max moves by more than 8 tile after tile
 RAGGED = [
     _R,
+    _RAMP,
     replace(_R, name="ragged-fp16-noncausal", dtype=F16, causal=False),
     replace(_R, name="ragged-d64", head_dim=64),
     replace(_R, name="ragged-d256-fp16", head_dim=256, dtype=F16),
@@ -199,7 +202,8 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_P, name="paged-prefill-only", qo_lens=PREFILL_QO, kv_lens=PREFILL_KV),
               replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False),
               replace(_P, name="paged-fp16-mha", dtype=torch.float16, heads=(8, 8)),
-              replace(_P, name="paged-logits+1000-tiles", offset=1000.0)]
+              replace(_P, name="paged-logits+1000-tiles", offset=1000.0),
+              _RAMP]
 TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.

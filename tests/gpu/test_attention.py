@@ -40,7 +40,7 @@ def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | 
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
                                                     head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
-                                                    offset=case.offset)
+                                                    offset=case.offset, ramp=case.ramp)
         if kv_dtype is not None:
             k, v = quantize(k, scales["k_scale"], 1, kv_dtype), quantize(v, scales["v_scale"], 1, kv_dtype)
         w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family], tile=tile)

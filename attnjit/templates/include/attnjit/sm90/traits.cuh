@@ -61,7 +61,7 @@ struct Sm90Traits {
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
   static_assert(Q_STAGES >= 1, "at least one Q tile");
-  static_assert(TAU >= 0 && TAU <= 16, "P is at most 2^TAU: past 2^16 it would overflow fp16");
+  static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,

@@ -295,6 +295,8 @@ VARIANTS = [
 
 
 VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
+# the variants on the sm90 tile whose softmax keeps a stale max (tau 8: P up to 2^8): each hook beside it
+VARIANT_TILE_MATRIX = [(c, "kv128t8") for c in VARIANTS if "sm90" in c.families and not c.kv and c.split == "auto"]
 
 
 # --- issue 14: RoPE inside attention, attention sinks (tests/gpu/test_serving.py) ----------------------------------
@@ -387,7 +389,8 @@ TRANSFORMERS_SPECS = [
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
-    tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX]
+    tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX] + \
+        [c.spec("sm90").replace(tile=t) for c, t in VARIANT_TILE_MATRIX]
     serving = [c.spec(f) for c, f in SERVING_MATRIX]
     for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles \
             + serving:

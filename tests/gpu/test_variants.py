@@ -16,7 +16,7 @@ from attnjit.reference import Hooks
 
 from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, poisoned, quantize,
                        quantize_cache)
-from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VariantCase
+from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VARIANT_TILE_MATRIX, VariantCase
 
 DEV = "cuda"
 H_Q, H_KV, D = 32, 8, 128
@@ -67,6 +67,18 @@ def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
 
 @pytest.mark.parametrize("case,family", VARIANT_MATRIX, ids=[f"{c.name}-{f}" for c, f in VARIANT_MATRIX])
 def test_variant_matches_reference(case: VariantCase, family: str, workspace):
+    check_variant(case, family, workspace)
+
+
+@pytest.mark.parametrize("case,tile", VARIANT_TILE_MATRIX, ids=[f"{c.name}-sm90-{t}" for c, t in VARIANT_TILE_MATRIX])
+def test_variant_on_sm90_tile_configurations(case: VariantCase, tile: str, workspace):
+    """The variant hooks on the sm90 tiles attnjit tune may pick (kv128t8's stale max: P up to 2^8)."""
+    w = check_variant(case, "sm90", workspace, tile=tile)
+    assert w._plan.spec.tile == tile
+
+
+def check_variant(case: VariantCase, family: str, workspace, tile: str | None = None):
+    """One variant case against the float64 reference on `family` (and `tile`); returns the wrapper."""
     backend = BACKEND[family]
     seed = zlib.crc32(case.name.encode()) % 1000
     gen = torch.Generator().manual_seed(seed)
@@ -89,7 +101,7 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
                                                     dtype=dtype, device=DEV, seed=seed)
         if fp8 is not None:
             k, v = quantize(k, scales["k_scale"], 1, fp8), quantize(v, scales["v_scale"], 1, fp8)
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, variant=case.variant, backend=backend, tile=tile)
         w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), H_Q, H_KV, D, causal=case.causal, q_data_type=dtype,
                **fp8_plan, **plan_args(case, mask_flat), **split)
         out = poisoned(q.shape, dtype, DEV)
@@ -107,7 +119,8 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
             w.plan(kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, q_data_type=dtype, **fp8_plan, **plan_args(case, None),
                    **split)
         else:
-            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend)
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=case.variant, backend=backend,
+                                                            tile=tile)
             w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=case.causal, q_data_type=dtype, **fp8_plan,
                    **plan_args(case, mask_flat), **split)
         q = b.q
@@ -127,6 +140,7 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
     else:  # unnormalized weighted sums: compare relative to the output's scale
         scale = ref_o.abs().max().clamp_min(1.0)
         assert_close(out.double() / scale, ref_o / scale, dtype)
+    return w
 
 
 def test_missing_variant_parameter_is_a_type_error_naming_variant_and_parameter(workspace):

@@ -30,14 +30,20 @@ FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 1 / 48, 1 / 40   # the cache holds k / K_SCALE: unit-variance keys stay inside e4m3's range
 
 
+def quantized(cache: torch.Tensor) -> torch.Tensor:
+    """The e4m3 cache of a 16-bit [P, 2, ...] cache: k / K_SCALE and v / V_SCALE."""
+    cache8 = torch.empty(cache.shape, dtype=FP8, device=cache.device)
+    cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
+    cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+    return cache8
+
+
 def bench_fp8(fi, rows, results: list, *, time_ms: Callable, ws: torch.Tensor, ws_fi: Callable) -> None:
     import attnjit
 
     for batch, kv_len in rows:
         indptr, indices, last, cache = paged_tables(batch, kv_len, page_size=PS, dtype=DT)
-        cache8 = torch.empty(cache.shape, dtype=FP8, device="cuda")
-        cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
-        cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+        cache8 = quantized(cache)
         q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
         tokens = batch * kv_len
         row = {"op": "decode fp8", "shape": f"{batch}x{kv_len}", "kv_dtype": "e4m3",
@@ -89,9 +95,7 @@ def bench_fp8_prefill(fi, rows, results: list, *, time_ms: Callable, ws: torch.T
 
     for i, row in enumerate(rows):
         q, qo_indptr, cache, tables = prefill._inputs(row, seed=11 + i)
-        cache8 = torch.empty(cache.shape, dtype=FP8, device="cuda")
-        cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
-        cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+        cache8 = quantized(cache)
         r = {"op": "prefill fp8", "shape": row.shape, "label": row.label, "kv_dtype": "e4m3", "flops": row.flops}
         w16, run16 = prefill._attnjit(ws, row, q, qo_indptr, cache, tables, "auto")
         out16 = torch.empty_like(q)

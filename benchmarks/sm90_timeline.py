@@ -39,40 +39,25 @@ _STAMP = (_MEMBER + """
       reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 +
                                                  k] = t;
   }""" % (MAX_REC, MAX_REC))
-_LOOP = """    for (int j = 1; j < n; ++j) {
-      qk_turn(kr, j);
-      rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
-      wait_full(sm.v_full(vr.stage), vr.phase);
-      pv_issue(vr);
-      pass_turn();
-      wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
-      done_with_k(kr);
-      softmax(j, scale2);
-      wgmma_wait<0>();
-      done_with_v(vr);
-      pack_p();
-    }"""
-_LOOP_STAMPED = """    for (int j = 1; j < n; ++j) {
-      tl(0);
-      qk_turn(kr, j);
-      tl(1);
-      rescale_o();
-      wait_full(sm.v_full(vr.stage), vr.phase);
-      pv_issue(vr);
-      tl(2);
-      pass_turn();
-      wgmma_wait<1>();
-      done_with_k(kr);
-      tl(3);
-      softmax(j, scale2);
-      tl(4);
-      wgmma_wait<0>();
-      done_with_v(vr);
-      tl(5);
-      pack_p();
-      tl(6);
-      ++tl_rec;
-    }"""
+# the steady main loop (Consumer::mainloop) and where each stamp goes in it: after the statement, in this order
+_LOOP_HEAD = "    for (int j = 1; j < n; ++j) {\n"
+_AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, scale2);", "done_with_v(vr);",
+          "pack_p();")
+
+
+def _stamp_loop(src: str) -> str:
+    """The consumer's main loop with tl(0) at its top and tl(1..6) after the statements of _AFTER."""
+    if src.count(_LOOP_HEAD) != 1 or src.count(_MEMBER) != 1:
+        raise SystemExit("sm90_timeline.py: the consumer's main loop changed; update _LOOP_HEAD, _AFTER and _MEMBER")
+    start = src.index(_LOOP_HEAD) + len(_LOOP_HEAD)
+    end = src.index("\n    }\n", start)
+    body = src[start:end]
+    for k, stmt in enumerate(_AFTER, 1):
+        if body.count(stmt) != 1:
+            raise SystemExit(f"sm90_timeline.py: {stmt!r} is not once in the consumer's main loop; update _AFTER")
+        body = body.replace(stmt, f"{stmt}\n      tl({k});")
+    body = "      tl(0);\n" + body + "\n      ++tl_rec;"
+    return src[:start] + body + src[end:]
 
 
 def _stamped(render):
@@ -80,10 +65,7 @@ def _stamped(render):
         r = render(spec)
         if spec.family != "sm90":
             return r
-        src = r.source
-        if src.count(_MEMBER) != 1 or src.count(_LOOP) != 1:
-            raise SystemExit("sm90_timeline.py: the consumer's main loop changed; update _LOOP and _MEMBER")
-        src = src.replace(_MEMBER, _STAMP).replace(_LOOP, _LOOP_STAMPED)
+        src = _stamp_loop(r.source).replace(_MEMBER, _STAMP)
         return generator.Rendered(spec=r.spec, source=src, kernels=r.kernels, template=r.template)
     return render_stamped
 

@@ -66,12 +66,18 @@ def test_bad_fp8_specs_name_the_field(kwargs, field, message):
     assert exc.value.field == field
 
 
-def test_sm90_declines_fp8_and_fp8_prefill_defaults_to_fa2():
+def test_fp8_prefill_defaults_to_sm90_but_an_e5m2_key_transform_to_fa2():
+    from attnjit import variants
+
     prefill = dict(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", mask="causal", arch="sm_90a")
     assert AttentionSpec(**prefill, dtype_kv="bf16").family == "sm90"
-    assert AttentionSpec(**prefill, dtype_kv="e4m3").family == "fa2"
-    with pytest.raises(SpecError, match="an fp8 cache \\(e4m3\\) runs on fa2"):
-        AttentionSpec(**prefill, dtype_kv="e4m3", family="sm90")
+    for kv in ("e4m3", "e5m2"):
+        assert AttentionSpec(**prefill, dtype_kv=kv).family == "sm90"
+    # a rotation of e5m2's range (57344) overflows the sm90 family's fp16 K tile; e4m3's (448) does not
+    assert AttentionSpec(**prefill, dtype_kv="e4m3", variant=variants.ROPE_LLAMA).family == "sm90"
+    assert AttentionSpec(**prefill, dtype_kv="e5m2", variant=variants.ROPE_LLAMA).family == "fa2"
+    with pytest.raises(SpecError, match="cannot hold a key transform of an e5m2 cache"):
+        AttentionSpec(**prefill, dtype_kv="e5m2", variant=variants.ROPE_LLAMA, family="sm90")
 
 
 def test_a_catalog_names_fp8_kv(tmp_path):
@@ -79,8 +85,10 @@ def test_a_catalog_names_fp8_kv(tmp_path):
     path.write_text('[[spec]]\nop = ["decode", "prefill"]\nhead_dim = 128\npage_size = 16\ndtype_q = "bf16"\n'
                     'dtype_kv = ["e4m3", "e5m2"]\ngroup_size = 4\n')
     specs = load_catalog(path)
-    assert {(s.op, s.dtype_kv, s.family) for s in specs} == {(op, kv, "fa2") for op in ("decode", "prefill")
-                                                             for kv in ("e4m3", "e5m2")}
+    # prefill: sm90, and fa2 for the decode-like batches plan() moves there (families.dispatchable)
+    assert {(s.op, s.dtype_kv, s.family) for s in specs} == {(op, kv, fam) for kv in ("e4m3", "e5m2")
+                                                             for op, fam in (("decode", "fa2"), ("prefill", "sm90"),
+                                                                             ("prefill", "fa2"))}
 
 
 # --- compiles ------------------------------------------------------------------------------------------------
@@ -131,7 +139,7 @@ def test_fp8_tiles_convert_in_registers_unless_a_key_transform():
 @pytest.mark.parametrize("spec", [
     AttentionSpec(dtype_q="fp16", dtype_kv="e5m2", arch="sm_80", **DECODE),
     AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv="e4m3", mask="causal",
-                  group_size=4, arch="sm_90a"),
+                  group_size=4, arch="sm_90a", family="fa2"),
     AttentionSpec(op="prefill", head_dim=64, kv="ragged", dtype_q="bf16", dtype_kv="e4m3", mask="causal",
                   group_size=4, arch="sm_80"),
     AttentionSpec(op="append_kv", head_dim=128, page_size=16, dtype_kv="e4m3", arch="sm_90a"),
@@ -147,6 +155,28 @@ def test_fp8_kernels_compile_without_spills(tmp_path, spec):
         assert_no_spills(log, sass)
     if spec.op != "append_kv":
         assert ("F2FP" in sass and "E4M3" in sass) if spec.arch == "sm_90a" else "E4M3" not in sass
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("spec", [
+    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv="e4m3", mask="causal",
+                  group_size=4, arch="sm_90a"),
+    AttentionSpec(op="prefill", head_dim=64, page_size=1, dtype_q="fp16", dtype_kv="e5m2", group_size=1,
+                  arch="sm_90a"),
+    AttentionSpec(op="prefill", head_dim=256, kv="ragged", dtype_q="bf16", dtype_kv="e5m2", mask="causal",
+                  group_size=2, arch="sm_90a"),
+    AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv="e4m3", mask="causal",
+                  group_size=4, arch="sm_90a", tile="kv128q1"),
+], ids=lambda s: s.short_name() + (f"-{s.tile}" if s.tile else ""))
+def test_sm90_fp8_prefill_converts_in_the_producer_and_multiplies_in_fp16(tmp_path, spec):
+    """The sm90 family over an fp8 cache: no spills, every wgmma fp16 (a bf16 q is converted once per item), and
+    the hardware fp8 -> fp16 convert (the producer's staging ring, sm90/producer.cuh)."""
+    assert spec.family == "sm90"
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
+    assert_no_spills(log, sass)
+    hgmma = re.findall(r"HGMMA\.64x\d+x16\.F32(\.BF16)?", sass)
+    assert hgmma and not any(hgmma), "a bf16 wgmma in the fp8 kernel"
+    assert f"F2FP.F16.{spec.dtype_kv.upper()}.UNPACK_B" in sass
 
 
 def _bit_trick(code: int, fmt: str) -> float:
@@ -190,21 +220,24 @@ def _inputs(kv_dtype=torch.float8_e4m3fn):
     return q, cache
 
 
-def test_plan_takes_fp8_kv_by_name_or_dtype_and_records_fa2():
+def test_plan_takes_fp8_kv_by_name_or_dtype_and_records_the_family():
     for kv in ("e4m3", torch.float8_e4m3fn, "float8_e4m3fn", "fp8_e5m2", torch.float8_e5m2):
         w = _decode(kv)
         assert w._plan.spec.dtype_kv == dtypes.lookup(kv).name and w.last_plan["family"] == "fa2"
     p = attnjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
     p.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
            q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
-    assert p.last_plan["family"] == "fa2"  # sm90 would take a wide bf16 batch on sm_90a
+    assert p.last_plan["family"] == "sm90"  # the sm90 family reads fp8 too (its producer converts it)
     p.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
            q_data_type=torch.bfloat16)
     assert p.last_plan["family"] == "sm90"
     f = attnjit.BatchPrefillWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8), backend="fa3")
-    with pytest.raises(ValueError, match=r"backend='fa3' cannot run this plan: .*fp8 cache"):
+    f.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type="e4m3")
+    assert f.last_plan["family"] == "sm90"
+    with pytest.raises(ValueError, match=r"backend='fa3' cannot run this plan: .*key transform of an e5m2 cache"):
         f.plan(i32([0, 19, 35]), i32(KV_INDPTR), i32(range(5)), i32(KV_LAST), H_Q, H_KV, D, PS, causal=True,
-               q_data_type=torch.bfloat16, kv_data_type="e4m3")
+               q_data_type=torch.bfloat16, kv_data_type="e5m2", pos_encoding_mode="ROPE_LLAMA")
 
 
 @pytest.mark.parametrize("q,kv,exc,match", [

@@ -14,6 +14,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+from .. import dtypes
+
 if TYPE_CHECKING:
     from ..specs import AttentionSpec
 
@@ -28,9 +30,17 @@ def unsupported(spec: "AttentionSpec") -> str | None:
         return f"the sm90 family needs arch sm_90a (wgmma, setmaxnreg), not {spec.arch}"
     if spec.op != "prefill":
         return "the sm90 family is for prefill; decode runs on fa2 (memory-bound, narrow tiles)"
-    if spec.dtype_kv != spec.dtype_q:
-        return f"the sm90 family reads a {spec.dtype_q} KV cache only; an fp8 cache ({spec.dtype_kv}) runs on fa2"
+    if spec.dtype_kv != spec.dtype_q and not _fp8(spec):
+        return f"the sm90 family reads a {spec.dtype_q} or fp8 KV cache, not {spec.dtype_kv}"
+    if _fp8(spec) and spec.dtype_kv == "e5m2" and spec.variant is not None and any(
+            part.hook("key_transform") for part in spec.variant.parts):
+        # the fp16 K tile holds e5m2's range (57344), not a rotation of it (up to sqrt(2) x): fa2 transforms in bf16
+        return "the sm90 family's fp16 K tile cannot hold a key transform of an e5m2 cache (fa2 can)"
     return None
+
+
+def _fp8(spec: "AttentionSpec") -> bool:
+    return dtypes.of(spec.dtype_kv).is_fp8
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,8 @@ class Tile:
     consumers: int = 2
     min_blocks: int = 1
     tau: int = 0       # the running max moves only past max + tau (log2 units): fewer O rescales, P <= 2^tau
+    kv_fp8: bool = False     # an fp8 cache: two staging tiles the producer converts from (Sm90Traits)
+    q_to_half: bool = False  # bf16 q over fp8: the Q rows' fp16 scales (CTA_Q floats)
 
     @property
     def cta_q(self) -> int:
@@ -59,7 +71,9 @@ class Tile:
         q = self.cta_q * self.head_dim * 2
         kv = self.cta_kv * self.head_dim * 2
         barriers = 2 * self.q_stages + 4 * self.stages
-        return self.q_stages * q + 2 * self.stages * kv + barriers * 8 + 1024
+        staging = 2 * self.cta_kv * self.head_dim if self.kv_fp8 else 0
+        qinv = 4 * self.cta_q if self.q_to_half else 0
+        return self.q_stages * q + 2 * self.stages * kv + staging + qinv + barriers * 8 + 1024
 
     @property
     def name(self) -> str:
@@ -95,7 +109,8 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     """The module's one kernel: ``spec.tile``'s configuration, else the default."""
     configs = _configs(spec)
     config = configs[spec.tile] if spec.tile is not None else next(iter(configs.values()))
-    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config),)
+    fp8 = _fp8(spec)
+    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config, kv_fp8=fp8, q_to_half=fp8 and spec.dtype_q == "bf16"),)
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,

@@ -28,8 +28,8 @@ DEC_MANY = tuple(1 + (i * 37) % 600 for i in range(300))      # fills the GPU: n
 
 
 def families_for(kind: str, kv: str | None) -> tuple[str, ...]:
-    """Prefill runs on both families; decode and an fp8 cache on fa2 (sm90 declines them)."""
-    return ("fa2",) if kind == "decode" or kv else FAMILIES
+    """Prefill (16-bit or fp8 cache) runs on both families; decode on fa2 (sm90 declines it)."""
+    return ("fa2",) if kind == "decode" else FAMILIES
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class Case:
 
     @property
     def families(self) -> tuple[str, ...]:
-        """The kernel families this case runs on (its axis in the matrix): prefill on both, decode and an fp8
-        cache on fa2."""
+        """The kernel families this case runs on (its axis in the matrix): prefill on both, decode on fa2."""
         return families_for(self.kind, self.kv)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
@@ -319,7 +318,8 @@ class ServingCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return families_for(self.kind, self.kv)
+        """As Case's, less a family that declines the feature's spec (sm90: a key transform over e5m2)."""
+        return tuple(f for f in families_for(self.kind, self.kv) if self.spec(f).family == f)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         kind = "paged" if self.kind == "sink_wrapper" else self.kind
@@ -335,7 +335,8 @@ SERVING = [
     ServingCase("rope-decode", "decode", "rope"),
     ServingCase("rope-scaled-decode-split", "decode", "rope_scaled", split="force"),
     ServingCase("rope-decode-fp8-e4m3", "decode", "rope", kv="e4m3"),
-    ServingCase("rope-paged-fp8-e5m2-split", "paged", "rope", split="force", kv="e5m2"),
+    ServingCase("rope-paged-fp8-e5m2-split", "paged", "rope", split="force", kv="e5m2"),  # fa2 only (sm90 declines)
+    ServingCase("rope-paged-fp8-e4m3", "paged", "rope", kv="e4m3"),  # sm90: RoPE on its fp16 K tile
     ServingCase("sink-paged", "paged", "sink"),
     ServingCase("sink-window-paged-split", "paged", "sink_window", split="force"),
     ServingCase("sink-ragged-noncausal", "ragged", "sink", False),

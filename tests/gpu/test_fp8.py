@@ -1,6 +1,6 @@
 """FP8 KV cache on the GPU beyond the matrix (tests/gpu/cases.py FP8 runs every format, scale kind, q type, split
 mode and kv kind against the float64 reference): the scales are really applied, a 16-bit plan takes float scales
-as FlashInfer does, plan() falls back from sm90 to fa2 by itself, and the single-request helpers read fp8."""
+as FlashInfer does, plan() runs fp8 prefill on sm90 by itself, and the single-request helpers read fp8."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_a_16_bit_plan_applies_float_scales_as_flashinfer(workspace):
     assert_lse_close(lse, ref_lse)
 
 
-@pytest.mark.parametrize("op", ["decode", "prefill"])
+@pytest.mark.parametrize("op", ["decode", "prefill-fa2", "prefill-sm90"])
 def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
     """A bf16 q runs the fp8 kernels' fp16 mma through a per-row power-of-two rescale (fa2/fp8_frags.cuh): heads whose
     q spans 1e-30 .. 1e6 (past fp16's 65504 and far below its subnormals), sharing one CTA's packed rows, each match
@@ -90,6 +90,7 @@ def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
     online softmax loses the max key: exp2 of its rounding residual, s * scale - round(s * scale), over- or
     underflows. Measured here at q ~ 5e8 (lse 2.5e9: non-finite rows); the 16-bit kernels' softmax computes the
     same way, so it is a limit of the fp32 softmax, not of the fp8 path.)"""
+    op, _, family = op.partition("-")
     qo = (1,) * len(DEC_MED) if op == "decode" else MIXED_QO
     b = make_paged(qo, DEC_MED if op == "decode" else MIXED_KV, page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV,
                    head_dim=D, dtype=torch.bfloat16, device=DEV, seed=31)
@@ -103,8 +104,9 @@ def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
         w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
         w.plan(*(i32(x, DEV) for x in meta), H_Q, H_KV, D, PS, q_data_type=torch.bfloat16, kv_data_type="e4m3")
     else:
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace)
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, backend={"sm90": "fa3"}.get(family, family))
         w.plan(*b.tensors(DEV), H_Q, H_KV, D, PS, causal=True, q_data_type=torch.bfloat16, kv_data_type="e4m3")
+        assert w.last_plan["family"] == family
     out, lse = poisoned(q.shape, torch.bfloat16, DEV), poisoned(q.shape[:2], torch.float32, DEV)
     w.run(q, cache, out=out, lse=lse, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
@@ -116,8 +118,8 @@ def test_bf16_q_of_any_magnitude_over_fp8(workspace, op):
     assert (err <= 5e-3 + 1e-3 * ref_lse.to(DEV).abs()).all(), err.max()
 
 
-def test_fp8_prefill_falls_back_to_fa2_by_itself(workspace):
-    """On sm_90a a wide bf16 batch runs on sm90; with an fp8 cache plan() picks fa2 (sm90 declines fp8)."""
+def test_fp8_prefill_runs_on_sm90_by_itself(workspace):
+    """On sm_90a a wide batch over an fp8 cache runs on sm90 (its producer converts the cache), as a bf16 one does."""
     b = make_paged(MIXED_QO, MIXED_KV, page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
                    dtype=torch.bfloat16, device=DEV, seed=9)
     ks, vs = fp8_scales("float", H_KV, DEV)
@@ -127,7 +129,7 @@ def test_fp8_prefill_falls_back_to_fa2_by_itself(workspace):
     with attnjit.recording() as rec:
         out = w.run(b.q, cache, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
-    assert w.last_plan["family"] == "fa2" and rec[0].plan["family"] == "fa2"
+    assert w.last_plan["family"] == "sm90" and rec[0].plan["family"] == "sm90"
     assert w._plan.spec.dtype_kv == "e4m3"
     ref_o, _ = reference.batch_paged(b.q, cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                      page_size=PS, causal=True, k_scale=ks, v_scale=vs)

@@ -105,14 +105,13 @@ __device__ __forceinline__ void transform_q_tile(const Item& it, uint8_t* q_tile
   }
 }
 
-// Apply the variant's key transform to the K tile at `k_tile` (keys kv0 .. kv0 + CTA_KV - 1) in shared memory, on
-// `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half at a time: it runs in the
+// Apply the variant's key transform to the K tile at `k_tile` (keys kv0 .. kv0 + CTA_KV - 1, elements of T) in
+// shared memory, on `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half: it runs in the
 // main loop beside the O accumulators, so it must hold few registers. Rows at or past kv_stop are zero-filled and
 // hidden: left alone. The caller makes the tile resident before and synchronizes the threads after (and, where an
 // async-proxy reader such as wgmma follows, fences the proxies).
-template <typename G, typename Item>
+template <typename G, typename T = typename G::T, typename Item>
 __device__ __forceinline__ void transform_k_tile(const Item& it, uint8_t* k_tile, int kv0, unsigned tid, int nthreads) {
-  using T = typename G::T;
   constexpr int HALF = G::HEAD_DIM / 16;
 #pragma unroll 1
   for (int i = tid; i < G::CTA_KV * HALF; i += nthreads) {
@@ -279,9 +278,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
 // the family's swizzled layout, on THREADS threads (tid < THREADS). A thread reads 8 bytes and writes one 16-byte
 // chunk: 8 neighbouring threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct
 // banks). UNROLL: chunks in flight per thread (few where the caller holds many live registers).
-template <typename G, int ROWS, int THREADS, int UNROLL>
+template <typename G, int ROWS, int THREADS, int UNROLL, typename T = typename G::T>
 __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, int row0, unsigned tid) {
-  using T = typename G::T;
   using TKV = typename G::TKV;
   constexpr int CH = G::HEAD_DIM / 8;  // 8-element chunks per row
   static_assert((ROWS * CH) % THREADS == 0, "every thread converts the same number of chunks");
@@ -291,6 +289,54 @@ __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, i
     const int r = row0 + i / CH, c = i % CH;
     const uint2 raw = *reinterpret_cast<const uint2*>(src + r * G::KV_ROW_BYTES + c * 8);
     *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c)) = fp8x8_to<T, TKV>(raw);
+  }
+}
+
+// Rows row_begin .. row_begin + ROWS - 1 of a bf16 Q tile (the family's layout) into fp16 in place, each row times
+// 2^e, e chosen so the row's largest |q| lies in [2^14, 2^15) (fa2/fp8_frags.cuh gives the numerics); row_inv[r] =
+// 2^-e of row r. THREADS threads (tid < THREADS), TPR per row (a power of two <= 8, within one warp), each convert
+// HEAD_DIM / 8 / TPR 16-byte chunks; threads past ROWS * TPR have no row.
+template <typename G, int ROWS, int THREADS, int TPR>
+__device__ __forceinline__ void q_rows_to_half_rows(uint8_t* tile, float* row_inv, int row_begin, unsigned tid) {
+  constexpr int CH = G::HEAD_DIM / 8;
+  constexpr int PER = CH / TPR;
+  // every pass covers whole rows, and a warp's lanes all convert rows or all skip (the shuffles)
+  static_assert(TPR >= 1 && TPR <= 8 && (TPR & (TPR - 1)) == 0 && CH % TPR == 0, "TPR: 1, 2, 4 or 8 per row");
+  static_assert((ROWS * TPR) % 32 == 0 && (ROWS * TPR <= THREADS || (ROWS * TPR) % THREADS == 0), "whole rows per pass");
+#pragma unroll 1
+  for (int row = row_begin + static_cast<int>(tid) / TPR; row < row_begin + ROWS; row += THREADS / TPR) {
+    const auto chunk = [&](int j) {
+      return reinterpret_cast<uint4*>(tile + tile_offset<G::Q_PITCH, G::Q_STEP>(row, tid % TPR + TPR * j));
+    };
+    float mx = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < PER; ++j) {
+      const uint4 raw = *chunk(j);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = unpack2<__nv_bfloat16>(w[k]);
+        mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));  // NaN is skipped here and stays NaN below
+      }
+    }
+#pragma unroll
+    for (int off = TPR / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    int ex = 0;
+    frexpf(mx, &ex);                                                              // mx = m 2^ex, m in [0.5, 1)
+    const int e = mx > 0.f && mx <= 3.0e38f ? min(max(15 - ex, -126), 126) : 0;  // 0: an all-zero or inf row
+    const float up = ldexpf(1.f, e);
+#pragma unroll 4
+    for (int j = 0; j < PER; ++j) {
+      const uint4 raw = *chunk(j);
+      uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = unpack2<__nv_bfloat16>(w[k]);
+        w[k] = pack2<__half>(f.x * up, f.y * up);
+      }
+      *chunk(j) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    if (tid % TPR == 0) row_inv[row] = ldexpf(1.f, -e);
   }
 }
 

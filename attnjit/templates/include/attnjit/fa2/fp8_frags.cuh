@@ -24,6 +24,7 @@
 #include "attnjit/common.cuh"
 #include "attnjit/fa2/mma.cuh"
 #include "attnjit/fp8.cuh"
+#include "attnjit/kv_load.cuh"
 
 namespace attnjit {
 
@@ -109,50 +110,12 @@ __device__ __forceinline__ void q_frag_fp8_order(const uint8_t* tile, int row, i
   a[0] = lo.x, a[1] = hi.x, a[2] = lo.y, a[3] = hi.y;
 }
 
-// A bf16 Q tile (CTA_Q rows of ROW_BYTES, fa2's swizzle) into fp16 in place, row r times 2^e_r (above); row_inv[r]
-// = 2^-e_r. TPR threads per row (a power of two <= 8, within one warp) each convert CHUNKS / TPR 16-byte chunks;
-// threads past CTA_Q * TPR have no row.
+// A bf16 Q tile (CTA_Q rows, fa2's swizzle) into fp16 in place, row r times 2^e_r (above); row_inv[r] = 2^-e_r:
+// TPR threads per row (a power of two <= 8) each convert CHUNKS / TPR 16-byte chunks (attnjit/kv_load.cuh).
 template <typename G>
 __device__ __forceinline__ void q_rows_to_half(uint8_t* tile, float* row_inv, unsigned tid) {
-  constexpr int CH = G::CHUNKS;
   constexpr int TPR = G::NUM_THREADS / G::CTA_Q >= 8 ? 8 : G::NUM_THREADS / G::CTA_Q >= 4 ? 4 : 1;
-  constexpr int PER = CH / TPR;
-  // every pass covers whole rows, and a warp's lanes all convert rows or all skip (the shuffles)
-  static_assert(CH % TPR == 0 && (G::CTA_Q * TPR) % 32 == 0 &&
-                (G::CTA_Q * TPR <= G::NUM_THREADS || (G::CTA_Q * TPR) % G::NUM_THREADS == 0), "whole rows per pass");
-#pragma unroll 1
-  for (int row = static_cast<int>(tid) / TPR; row < G::CTA_Q; row += G::NUM_THREADS / TPR) {
-    const auto chunk = [&](int j) { return reinterpret_cast<uint4*>(tile + swizzle<CH>(row, tid % TPR + TPR * j)); };
-    float mx = 0.f;
-#pragma unroll 4
-    for (int j = 0; j < PER; ++j) {
-      const uint4 raw = *chunk(j);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = unpack2<__nv_bfloat16>(w[k]);
-        mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));  // NaN is skipped here and stays NaN below
-      }
-    }
-#pragma unroll
-    for (int off = TPR / 2; off > 0; off /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-    int ex = 0;
-    frexpf(mx, &ex);                                                              // mx = m 2^ex, m in [0.5, 1)
-    const int e = mx > 0.f && mx <= 3.0e38f ? min(max(15 - ex, -126), 126) : 0;  // 0: an all-zero or inf row
-    const float up = ldexpf(1.f, e);
-#pragma unroll 4
-    for (int j = 0; j < PER; ++j) {
-      const uint4 raw = *chunk(j);
-      uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float2 f = unpack2<__nv_bfloat16>(w[k]);
-        w[k] = pack2<__half>(f.x * up, f.y * up);
-      }
-      *chunk(j) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    if (tid % TPR == 0) row_inv[row] = ldexpf(1.f, -e);
-  }
+  q_rows_to_half_rows<G, G::CTA_Q, G::NUM_THREADS, TPR>(tile, row_inv, 0, tid);
 }
 
 // The first of the two dims accumulator pair dt (0 .. D / 8) of a lane holds: pair 2c + h is (o[2c][2r + h],

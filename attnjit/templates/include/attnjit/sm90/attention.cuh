@@ -18,6 +18,7 @@
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/kv_load.cuh"
+#include "attnjit/sm90/producer.cuh"
 #include "attnjit/sm90/traits.cuh"
 #include "attnjit/sm90/wgmma.cuh"
 #include "attnjit/split.cuh"
@@ -27,91 +28,11 @@
 namespace attnjit {
 namespace sm90 {
 
-template <typename Tr>
-struct Smem {
-  uint8_t* base;  // 1024-byte aligned
-  static constexpr int KV_BAR = 2 * Tr::Q_STAGES;  // the first K/V barrier
-  __device__ __forceinline__ uint8_t* q(int s) const { return base + s * Tr::Q_BYTES; }
-  __device__ __forceinline__ uint8_t* k(int s) const { return base + Tr::K_OFF + s * Tr::KV_BYTES; }
-  __device__ __forceinline__ uint8_t* v(int s) const { return base + Tr::V_OFF + s * Tr::KV_BYTES; }
-  __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + Tr::BAR_OFF) + i; }
-  __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(s); }
-  __device__ __forceinline__ uint64_t* q_empty(int s) const { return bar(Tr::Q_STAGES + s); }
-  __device__ __forceinline__ uint64_t* k_full(int s) const { return bar(KV_BAR + s); }
-  __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(KV_BAR + Tr::NUM_STAGES + s); }
-  __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(KV_BAR + 2 * Tr::NUM_STAGES + s); }
-  __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(KV_BAR + 3 * Tr::NUM_STAGES + s); }
-};
-
-// A position in a ring of S stages: the stage and the parity of its current use.
-template <int S>
-struct Ring {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == S) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
-// The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid. The item
-// count is read again per item (an L1 hit) rather than held: at head_dim 256 the producer has 24 registers.
-template <typename P, typename F>
-__device__ __forceinline__ void for_each_item(const P& p, F&& f) {
-  const int heads = static_cast<int>(p.num_kv_heads);
-  for (int i = blockIdx.x; i < *reinterpret_cast<const int32_t*>(p.work_count) * heads; i += gridDim.x)
-    f(i / heads, i % heads);
-}
-
-// ---- producer ---------------------------------------------------------------------------------------------------
-
-template <typename Tr, typename P>
-__device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
-  WorkItem<Tr, P> it(p);
-  const unsigned tid = threadIdx.x;  // 0..127
-  Ring<Tr::NUM_STAGES> kr, vr;
-  Ring<Tr::Q_STAGES> qr;
-  for_each_item(p, [&](int w, int head) {
-    it.kv_head = head;
-    if (!it.setup(w)) return;
-    mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);  // the consumers are done with that Q tile (and its O staging)
-    gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);
-    mbar_arrive_cp_async(sm.q_full(qr.stage));
-    qr.advance();
-    RegPageIds<Tr::KV_PASSES> next, cur, prev;
-    if (it.num_tiles > 0) load_page_ids<Tr>(it, 0, next, tid);
-    for (int t = 0; t < it.num_tiles; ++t) {
-      cur = next;
-      if (t + 1 < it.num_tiles) load_page_ids<Tr>(it, t + 1, next, tid);  // in flight while this tile issues
-      mbar_wait(sm.k_empty(kr.stage), kr.phase ^ 1);
-      gather_kv<Tr, true, false>(it, t, smem_u32(sm.k(kr.stage)), 0u, cur, tid);
-      mbar_arrive_cp_async(sm.k_full(kr.stage));
-      kr.advance();
-      if (t > 0) {
-        mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
-        gather_kv<Tr, false, true>(it, t - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
-        mbar_arrive_cp_async(sm.v_full(vr.stage));
-        vr.advance();
-      }
-      prev = cur;
-    }
-    if (it.num_tiles > 0) {
-      mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
-      gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
-      mbar_arrive_cp_async(sm.v_full(vr.stage));
-      vr.advance();
-    }
-  });
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
 // ---- consumers --------------------------------------------------------------------------------------------------
 
 template <typename Tr, typename P>
 struct Consumer {
-  using T = typename Tr::T;
+  using T = typename Tr::TM;  // the wgmma's type (fp16 over an fp8 cache)
   using TO = typename Tr::TO;
   using V = typename Tr::Variant;
   static constexpr int D = Tr::HEAD_DIM;
@@ -128,6 +49,8 @@ struct Consumer {
   uint32_t pf[N / 16][4];       // P as the A operand of P V (bf16/fp16 pairs), one k16 slice per entry
   float m[2], l[2], alpha[2];   // running max (log2 units), this thread's partial row sums, last rescale
   bool rescale = false;         // some row of this warp has a new max: O must be multiplied by alpha
+  float qinv[2] = {1.f, 1.f};   // fp8: 2^-e of this thread's two Q rows (their fp16 conversion's scale)
+  float v_scale = 1.f;          // fp8: the value scale of this item's kv head, applied to the output
 
   __device__ Consumer(const P& p, const Smem<Tr>& smem, int wg_)
       : it(p),
@@ -169,11 +92,12 @@ struct Consumer {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pr = it.packed_row0 + row0 + 8 * r;
+        const float sm_r = Tr::Q_TO_HALF ? sm_scale * qinv[r] : sm_scale;
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_scale, it.q_pos_of(pr),
+            s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_r, it.q_pos_of(pr),
                                                            col0 + 8 * j + e, it.qo_len, it.kv_len, it.req,
                                                            it.qo_head_of(pr), it.kv_head);
       }
@@ -201,10 +125,11 @@ struct Consumer {
         if (s[i] == neg_inf()) s[i] = 0.f;
       return;
     } else {
-      const float sc = V::HAS_LOGITS_TRANSFORM ? kLog2e : scale2;  // the logits may already be scaled
       bool moved = false;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
+        // the logits may already be scaled (transformed); fp8: the Q row's 2^-e
+        const float sc = V::HAS_LOGITS_TRANSFORM ? kLog2e : Tr::Q_TO_HALF ? scale2 * qinv[r] : scale2;
         float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
 #pragma unroll
         for (int j = 0; j < N / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
@@ -271,7 +196,7 @@ struct Consumer {
   // registers. The price is one consumer barrier per tile, which realigns the two warpgroups' ping-pong.)
   __device__ __forceinline__ void transform_k(int tile, int stage) {
     if constexpr (V::HAS_KEY_TRANSFORM) {
-      transform_k_tile<Tr>(it, sm.k(stage), it.kv_begin + tile * N, ctid, Tr::CONSUMER_THREADS);
+      transform_k_tile<Tr, T>(it, sm.k(stage), it.kv_begin + tile * N, ctid, Tr::CONSUMER_THREADS);
       fence_proxy_async();
       named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
     }
@@ -378,6 +303,7 @@ struct Consumer {
         inv[r] = 1.f;
         lse[r] = 0.f;
       }
+      if constexpr (Tr::FP8_KV) inv[r] *= v_scale;  // o = v_scale * sum_j p_j v_j; lse is unaffected
     }
     if (it.pslot < 0) {
       uint8_t* stage = sm.q(qstage);
@@ -431,7 +357,7 @@ struct Consumer {
   __device__ __forceinline__ void run(const P& p) {
     Ring<Tr::NUM_STAGES> kr, vr;
     Ring<Tr::Q_STAGES> qr;
-    const float scale2 = static_cast<float>(p.sm_scale_log2);
+    const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
     if (wg == 1) pass_turn();  // the first consumer takes the first turn
     for_each_item(p, [&](int w, int head) {
       it.kv_head = head;
@@ -447,6 +373,19 @@ struct Consumer {
         transform_q_tile<Tr>(it, sm.q(qstage), ctid, Tr::CONSUMER_THREADS);
         fence_proxy_async();
         named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
+      }
+      float scale2 = sm_scale2;
+      if constexpr (Tr::FP8_KV) {  // per-KV-head scales (float32 [H_kv], or 0); the scalar k_scale is in sm_scale2
+        if (p.scale_k) scale2 *= reinterpret_cast<const float*>(p.scale_k)[head];
+        v_scale = static_cast<float>(p.scale_v_value);
+        if (p.scale_v) v_scale *= reinterpret_cast<const float*>(p.scale_v)[head];
+      }
+      if constexpr (Tr::Q_TO_HALF) {  // this warpgroup's 64 Q rows (all its wgmma reads) into fp16, each times 2^e
+        q_rows_to_half_rows<Tr, Tr::WG_ROWS, 128, 2>(sm.q(qstage), sm.qinv(), wg * Tr::WG_ROWS, ctid % 128);
+        fence_proxy_async();
+        named_sync(Tr::BAR_EPILOGUE + wg, 128);
+        qinv[0] = sm.qinv()[row0];
+        qinv[1] = sm.qinv()[row0 + 8];
       }
 #pragma unroll
       for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
@@ -494,7 +433,7 @@ __device__ __forceinline__ void attention_body(const P& p) {
   __syncthreads();
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    produce<Tr>(p, sm);
+    producer<Tr>(p, sm);
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     // the warpgroup index broadcast from lane 0: the compiler then knows it is warp-uniform, so the wgmma

@@ -1,17 +1,25 @@
 // attnjit/sm90/traits.cuh: every tile, stage, thread and register constant of one sm90 kernel instance, and its
 // shared-memory layout, with static_asserts that carry the reason.
 #pragma once
+#include <type_traits>
+
 #include "attnjit/paged.cuh"
 #include "attnjit/variant.cuh"
 
 namespace attnjit {
 
-template <typename T_, typename TO_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
+template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
-  using T = T_;
-  using TKV = T_;  // the cache's element type (an fp8 cache runs on fa2: families/sm90.py)
+  using T = T_;      // q's type (the Q tile as it lands)
+  using TKV = TKV_;  // the cache's element type: T, or fp8 (e4m3 / e5m2)
   using TO = TO_;
+  // An fp8 cache is copied as stored into a staging ring and converted by the producer into 16-bit K and V tiles;
+  // the wgmma then runs in fp16 (fp8 -> fp16 is one instruction per two values and exact). A bf16 q becomes fp16
+  // in its Q tile, each row times 2^e (attnjit/fp8.cuh q_rows_to_half), S multiplied back by 2^-e.
+  static constexpr bool FP8_KV = sizeof(TKV_) == 1;
+  using TM = std::conditional_t<FP8_KV, __half, T_>;  // the wgmma's type: K, V and (converted) Q tiles, and P
+  static constexpr bool Q_TO_HALF = FP8_KV && std::is_same<T_, __nv_bfloat16>::value;
   using Variant = VARIANT_;
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int GROUP = GROUP_;
@@ -44,7 +52,13 @@ struct Sm90Traits {
   static constexpr int KV_BYTES = CTA_KV * HEAD_DIM * 2;
   static constexpr int K_OFF = Q_STAGES * Q_BYTES;
   static constexpr int V_OFF = K_OFF + NUM_STAGES * KV_BYTES;
-  static constexpr int BAR_OFF = V_OFF + NUM_STAGES * KV_BYTES;
+  // fp8: STAGE8_SLOTS staging tiles of CTA_KV rows of HEAD_DIM bytes (K or V as stored), then (bf16 q) CTA_Q
+  // floats, the Q rows' 2^-e; none for a 16-bit cache
+  static constexpr int STAGE8_SLOTS = FP8_KV ? 2 : 0, KV_ROW_BYTES = HEAD_DIM;
+  static constexpr int STAGE8_BYTES = CTA_KV * HEAD_DIM;
+  static constexpr int STAGE8_OFF = V_OFF + NUM_STAGES * KV_BYTES;
+  static constexpr int QINV_OFF = STAGE8_OFF + STAGE8_SLOTS * STAGE8_BYTES;
+  static constexpr int BAR_OFF = QINV_OFF + (Q_TO_HALF ? CTA_Q * 4 : 0);
   // barriers: q_full, q_empty per Q stage, then k_full, k_empty, v_full, v_empty per KV stage
   static constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * NUM_STAGES;
   static constexpr int SMEM_BYTES = BAR_OFF + NUM_BARRIERS * 8 + 1024;  // + the slack that aligns the base
@@ -52,8 +66,9 @@ struct Sm90Traits {
   static constexpr int LOAD_THREADS = 128;
   static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
   static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
-  // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its epilogue
-  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS;
+  // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its
+  // epilogue (and, fp8, its Q rows' conversion); the producer warpgroup (fp8: its staging ring)
+  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS, BAR_PRODUCER = 2 + 2 * CONSUMERS;
 
   static_assert(HEAD_DIM % 64 == 0, "sm90 tiles are whole 64-column (128-byte) swizzle blocks");
   static_assert(CTA_KV % 16 == 0 && CTA_KV >= 16 && CTA_KV <= 256, "a kv tile is wgmma N (S) and K slices (PV)");
@@ -63,6 +78,7 @@ struct Sm90Traits {
   static_assert(Q_STAGES >= 1, "at least one Q tile");
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
+  static_assert(sizeof(TKV_) == 2 ? std::is_same<TKV_, T_>::value : FP8_KV, "the cache holds q's type or fp8");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,
                 "setmaxnreg budgets exceed the CTA's registers at launch: the consumers would wait forever");

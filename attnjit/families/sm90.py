@@ -55,7 +55,6 @@ class Tile:
     consumers: int = 2
     min_blocks: int = 1
     tau: int = 0       # the running max moves only past max + tau (log2 units): fewer O rescales, P <= 2^tau
-    kv_fp8: bool = False     # an fp8 cache: two staging tiles the producer converts from (Sm90Traits)
     q_to_half: bool = False  # bf16 q over fp8: the Q rows' fp16 scales (CTA_Q floats)
 
     @property
@@ -71,9 +70,8 @@ class Tile:
         q = self.cta_q * self.head_dim * 2
         kv = self.cta_kv * self.head_dim * 2
         barriers = 2 * self.q_stages + 4 * self.stages
-        staging = 2 * self.cta_kv * self.head_dim if self.kv_fp8 else 0
         qinv = 4 * self.cta_q if self.q_to_half else 0
-        return self.q_stages * q + 2 * self.stages * kv + staging + qinv + barriers * 8 + 1024
+        return self.q_stages * q + 2 * self.stages * kv + qinv + barriers * 8 + 1024
 
     @property
     def name(self) -> str:
@@ -110,7 +108,7 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     configs = _configs(spec)
     config = configs[spec.tile] if spec.tile is not None else next(iter(configs.values()))
     fp8 = _fp8(spec)
-    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config, kv_fp8=fp8, q_to_half=fp8 and spec.dtype_q == "bf16"),)
+    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config, q_to_half=fp8 and spec.dtype_q == "bf16"),)
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,

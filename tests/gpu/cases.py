@@ -202,7 +202,12 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_P, name="paged-p1", page_size=1), replace(_P, name="paged-noncausal", causal=False),
               replace(_P, name="paged-fp16-mha", dtype=torch.float16, heads=(8, 8)),
               replace(_P, name="paged-logits+1000-tiles", offset=1000.0),
-              _RAMP]
+              _RAMP,
+              # an fp8 cache: one Q stage (the producer converts its pending tiles before each Q), three K/V stages
+              replace(_P, name="paged-fp8-e4m3-tiles", kv="e4m3", scale="tensor"),
+              replace(_R, name="ragged-fp8-e5m2-fp16-tiles", kv="e5m2", dtype=torch.float16, causal=False),
+              replace(_P, name="paged-fp8-e4m3-p1-tiles", kv="e4m3", page_size=1, qo_lens=PREFILL_QO,
+                      kv_lens=PREFILL_KV)]
 TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")]
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.

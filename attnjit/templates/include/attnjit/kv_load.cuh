@@ -12,10 +12,11 @@
 // tiles ahead of the copies that read them, so no thread waits on a page-table load when it issues a tile. Slot k
 // of a tile's ring entry holds page page_of(kv0) + k (any page size, attnjit/paged.cuh).
 //
-// An fp8 cache (TKV of one byte) is copied as stored into a staging tile of rows of G::KV_ROW_BYTES (row r at
-// r * KV_ROW_BYTES, unswizzled; the same 8 threads per row, each HEAD_DIM / 8 bytes: 8- or 16-byte copies). The
-// family reads it from there into its mma operands (fa2/fp8_frags.cuh), or dequant_rows converts a staged tile's
-// rows into the 16-bit swizzled layout the mainloop reads (attnjit/fp8.cuh).
+// An fp8 cache (TKV of one byte) is copied as stored into a staging tile, byte x of row r at G::stage8_offset(r, x)
+// (fa2: rows of KV_ROW_BYTES; sm90: inside the 16-bit tile it becomes; the same 8 threads per row, each
+// HEAD_DIM / 8 bytes: 8- or 16-byte copies). The family reads it from there into its mma operands
+// (fa2/fp8_frags.cuh), or converts it into the 16-bit swizzled layout the mainloop reads (dequant_rows here, the
+// sm90 producer in place).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/fp8.cuh"
@@ -252,15 +253,15 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
       off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
     }
     if constexpr (FP8) {
-      const uint32_t dst = r * G::KV_ROW_BYTES + c0 * CB;  // copy j: bytes (c0 + 8 j) * CB of the row
 #pragma unroll
-      for (int j = 0; j < CPT; ++j) {
+      for (int j = 0; j < CPT; ++j) {  // copy j: bytes (c0 + 8 j) * CB of the row
+        const uint32_t dst = G::stage8_offset(r, (c0 + 8 * j) * CB);
         if constexpr (CB == 16) {
-          if constexpr (LOAD_K) cp_async_16(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
-          if constexpr (LOAD_V) cp_async_16(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
+          if constexpr (LOAD_K) cp_async_16(ks + dst, k + off + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_16(vs + dst, v + off + j * 8 * CB, valid);
         } else {
-          if constexpr (LOAD_K) cp_async_ca<8>(ks + dst + j * 8 * CB, k + off + j * 8 * CB, valid);
-          if constexpr (LOAD_V) cp_async_ca<8>(vs + dst + j * 8 * CB, v + off + j * 8 * CB, valid);
+          if constexpr (LOAD_K) cp_async_ca<8>(ks + dst, k + off + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_ca<8>(vs + dst, v + off + j * 8 * CB, valid);
         }
       }
     } else {

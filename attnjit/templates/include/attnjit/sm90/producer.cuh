@@ -18,7 +18,6 @@ struct Smem {
   __device__ __forceinline__ uint8_t* q(int s) const { return base + s * Tr::Q_BYTES; }
   __device__ __forceinline__ uint8_t* k(int s) const { return base + Tr::K_OFF + s * Tr::KV_BYTES; }
   __device__ __forceinline__ uint8_t* v(int s) const { return base + Tr::V_OFF + s * Tr::KV_BYTES; }
-  __device__ __forceinline__ uint8_t* stage8(int s) const { return base + Tr::STAGE8_OFF + s * Tr::STAGE8_BYTES; }
   __device__ __forceinline__ float* qinv() const { return reinterpret_cast<float*>(base + Tr::QINV_OFF); }
   __device__ __forceinline__ uint64_t* bar(int i) const { return reinterpret_cast<uint64_t*>(base + Tr::BAR_OFF) + i; }
   __device__ __forceinline__ uint64_t* q_full(int s) const { return bar(s); }
@@ -94,48 +93,105 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
 }
 
 // ---- producer, fp8 cache ----------------------------------------------------------------------------------------
-// Each K or V tile (a "unit", in the order the 16-bit producer copies them) is copied as stored into one of two
-// staging slots, then converted by the producer's 128 threads into its ring stage as fp16 (dequant_rows), fenced for
-// the async proxy (wgmma) and released with a plain mbarrier arrival. Copies run one unit ahead: unit n + 1's
-// copies are in flight while unit n is converted, across work items too (each unit one cp.async group). Two named
-// barriers per unit: before a slot is refilled (everyone has converted what it held) and before it is converted
-// (everyone's copies have landed).
+// Each K or V tile (a "unit", in the 16-bit producer's order) is copied as stored into its own ring stage, row r's
+// bytes in row r's slots of the stage's upper column blocks (Sm90Traits::stage8_offset). LAG units later, once its
+// copies have landed, the producer's 128 threads convert it in place into the 16-bit tile (fp16), fence the writes
+// for the async proxy (wgmma) and release it with plain mbarrier arrivals. So LAG + 1 units' copies are in flight
+// while one is converted, across work items too, with no shared memory beyond the 16-bit rings.
+//
+// In place: the 8 threads of a row read all of its fp8 bytes, meet (__syncwarp: they are lanes of one warp), then
+// write its 16-bit chunks. Every byte a row's conversion reads or writes lies in that row's slots, so rows need no
+// other ordering. (Deadlock-free: with rings of two or more stages, the stage a unit waits for is released by the
+// consumers using units older than the LAG pending ones; the Q tile is handled in produce_fp8.)
+template <typename Tr>
+__device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
+  using TKV = typename Tr::TKV;
+  constexpr int B = Tr::BLOCKS;
+  constexpr int G = B >= 2 ? 2 : 1;  // column blocks converted together: the dims one 128-byte slot holds
+  constexpr int RPP = 128 / 8;       // rows per pass of the 128 threads
+  constexpr int U = B >= 4 ? 1 : 2;  // passes whose reads go before their writes (2 G U registers)
+  static_assert(Tr::CTA_KV % (RPP * U) == 0, "whole passes");
+  const int c = static_cast<int>(tid % 8), r0 = static_cast<int>(tid / 8);
+#pragma unroll 1
+  for (int p = 0; p < Tr::CTA_KV / RPP; p += U) {
+    // blocks g G .. g G + G - 1 in order: their fp8 bytes lie in slot B / 2 + g (B >= 2), and the blocks they
+    // write were read before the last __syncwarp (block b >= B / 2 holds blocks 2 b - B and 2 b - B + 1's bytes)
+#pragma unroll
+    for (int g = 0; g < B / G; ++g) {
+      uint2 raw[U][G];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int b = 0; b < G; ++b)  // dims 64 (g G + b) + 8 c .. + 7 of the row
+          raw[u][b] = *reinterpret_cast<const uint2*>(stage + Tr::stage8_offset(r0 + (p + u) * RPP,
+                                                                                64 * (g * G + b) + 8 * c));
+      __syncwarp();  // every lane of the row has read what these writes overwrite
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int b = 0; b < G; ++b)
+          *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(r0 + (p + u) * RPP,
+                                                                                  8 * (g * G + b) + c)) =
+              fp8x8_to<typename Tr::TM, TKV>(raw[u][b]);
+    }
+  }
+}
+
+// A ring position as one counter of uses (the fp8 producer holds four rings in its few registers).
+template <int S>
+struct CountRing {
+  uint32_t n = 0;
+  __device__ __forceinline__ int stage() const { return static_cast<int>(n % S); }
+  __device__ __forceinline__ uint32_t phase() const { return (n / S) & 1u; }
+};
+
 template <typename Tr>
 struct Fp8Stager {
+  static constexpr int LAG = 2;
   const Smem<Tr> sm;
   const unsigned tid;
-  Ring<Tr::NUM_STAGES> kr, vr;
-  int slot = 0;     // the staging slot of the next copy
-  int pending = 0;  // the unit copied into slot ^ 1 and not yet converted: 0 none, 1 K, 2 V
+  CountRing<Tr::NUM_STAGES> kr, vr;  // where the next K / V unit is copied
+  CountRing<Tr::NUM_STAGES> kc, vc;  // the next K / V unit to convert
+  uint32_t kinds = 0;                // bit i: the i-th oldest pending unit is V
+  int pending = 0;                   // units copied and not converted (<= LAG between calls)
 
-  // Copy the next unit (issue(staging address) issues this thread's copies), then convert the pending one.
-  template <typename Issue>
-  __device__ __forceinline__ void unit(bool is_v, Issue&& issue) {
-    named_sync(Tr::BAR_PRODUCER, 128);  // the slot's last unit is converted by every thread
-    issue(smem_u32(sm.stage8(slot)));
+  // Copy the next unit into its stage (issue(stage address) issues this thread's copies), then convert the oldest
+  // pending one if more than LAG are in flight.
+  template <bool IS_V, typename Issue>
+  __device__ __forceinline__ void unit(Issue&& issue) {
+    CountRing<Tr::NUM_STAGES>& r = IS_V ? vr : kr;  // a compile-time choice (a runtime one puts the rings in memory)
+    mbar_wait(IS_V ? sm.v_empty(r.stage()) : sm.k_empty(r.stage()), r.phase() ^ 1);
+    issue(smem_u32(IS_V ? sm.v(r.stage()) : sm.k(r.stage())));
     cp_async_commit();
-    convert<1>();
-    pending = is_v ? 2 : 1;
-    slot ^= 1;
+    ++r.n;
+    kinds |= (IS_V ? 1u : 0u) << pending;
+    if (++pending > LAG) convert_oldest<LAG>();
   }
 
-  // Convert the pending unit (GROUPS: cp.async groups that may still be in flight, those issued after it).
+  // Convert the oldest pending unit (GROUPS: cp.async groups that may stay in flight, the ones issued after it).
   template <int GROUPS>
-  __device__ __forceinline__ void convert() {
-    if (pending == 0) return;
+  __device__ __forceinline__ void convert_oldest() {
     cp_async_wait<GROUPS>();
     named_sync(Tr::BAR_PRODUCER, 128);  // every thread's copies of the unit have landed
-    if (pending == 2) into(vr, sm.v(vr.stage), sm.v_empty(vr.stage), sm.v_full(vr.stage));
-    else into(kr, sm.k(kr.stage), sm.k_empty(kr.stage), sm.k_full(kr.stage));
-    pending = 0;
+    if (kinds & 1u) {
+      into(sm.v(vc.stage()), sm.v_full(vc.stage()));
+      ++vc.n;
+    } else {
+      into(sm.k(kc.stage()), sm.k_full(kc.stage()));
+      ++kc.n;
+    }
+    kinds >>= 1;
+    --pending;
   }
 
-  __device__ __forceinline__ void into(Ring<Tr::NUM_STAGES>& r, uint8_t* dst, uint64_t* empty, uint64_t* full) {
-    mbar_wait(empty, r.phase ^ 1);
-    dequant_rows<Tr, Tr::CTA_KV, 128, 2, typename Tr::TM>(sm.stage8(slot ^ 1), dst, 0, tid);
+  __device__ __forceinline__ void flush() {
+    while (pending > 0) convert_oldest<0>();
+  }
+
+  __device__ __forceinline__ void into(uint8_t* stage, uint64_t* full) {
+    dequant_in_place<Tr>(stage, tid);
     fence_proxy_async();  // the conversion's writes, visible to the consumers' wgmma
     mbar_arrive(full);
-    r.advance();
   }
 };
 
@@ -145,11 +201,15 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
   const unsigned tid = threadIdx.x;  // 0..127
   Fp8Stager<Tr> st{sm, tid};
   Ring<Tr::Q_STAGES> qr;
+  int item_units = Fp8Stager<Tr>::LAG;  // units the last item issued (a first item has none pending)
   for_each_item(p, [&](int w, int head) {
     it.kv_head = head;
     if (!it.setup(w)) return;
-    // one Q tile: the consumers free it only after this item's last V, which must not wait for the next item
-    if constexpr (Tr::Q_STAGES == 1) st.template convert<0>();
+    // The Q stage frees when the consumers finish item i + 1 - Q_STAGES; they need its units converted. With two
+    // Q stages that holds if the pending units are the last item's own (it issued at least as many); else, and
+    // with one Q stage, convert them all first.
+    if (Tr::Q_STAGES == 1 || item_units < st.pending) st.flush();
+    item_units = 0;
     mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);
     gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);  // joins the next unit's cp.async group
     mbar_arrive_cp_async(sm.q_full(qr.stage));
@@ -159,14 +219,15 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
     for (int t = 0; t < it.num_tiles; ++t) {
       cur = next;
       if (t + 1 < it.num_tiles) load_page_ids<Tr>(it, t + 1, next, tid);
-      st.unit(false, [&](uint32_t dst) { gather_kv<Tr, true, false>(it, t, dst, 0u, cur, tid); });
-      if (t > 0) st.unit(true, [&](uint32_t dst) { gather_kv<Tr, false, true>(it, t - 1, 0u, dst, prev, tid); });
+      st.template unit<false>([&](uint32_t dst) { gather_kv<Tr, true, false>(it, t, dst, 0u, cur, tid); });
+      if (t > 0) st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, t - 1, 0u, dst, prev, tid); });
       prev = cur;
     }
     if (it.num_tiles > 0)
-      st.unit(true, [&](uint32_t dst) { gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, dst, prev, tid); });
+      st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, dst, prev, tid); });
+    item_units = 2 * it.num_tiles;
   });
-  st.template convert<0>();
+  st.flush();
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 

@@ -43,7 +43,9 @@ struct Sm90Traits {
   // ptxas's allocation under __launch_bounds__(threads, 1)); a consumer's setmaxnreg.inc waits until the producer's
   // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
   static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
-  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? 24 : 56, CONSUMER_REGS = HEAD_DIM_ > 128 ? 240 : 224;
+  // (head_dim 256 over fp8: the producer's ring counters and in-place conversion need 32)
+  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : 56;
+  static constexpr int CONSUMER_REGS = HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : 224;
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
   // shared memory: Q_STAGES Q tiles, NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are
@@ -52,12 +54,15 @@ struct Sm90Traits {
   static constexpr int KV_BYTES = CTA_KV * HEAD_DIM * 2;
   static constexpr int K_OFF = Q_STAGES * Q_BYTES;
   static constexpr int V_OFF = K_OFF + NUM_STAGES * KV_BYTES;
-  // fp8: STAGE8_SLOTS staging tiles of CTA_KV rows of HEAD_DIM bytes (K or V as stored), then (bf16 q) CTA_Q
-  // floats, the Q rows' 2^-e; none for a 16-bit cache
-  static constexpr int STAGE8_SLOTS = FP8_KV ? 2 : 0, KV_ROW_BYTES = HEAD_DIM;
-  static constexpr int STAGE8_BYTES = CTA_KV * HEAD_DIM;
-  static constexpr int STAGE8_OFF = V_OFF + NUM_STAGES * KV_BYTES;
-  static constexpr int QINV_OFF = STAGE8_OFF + STAGE8_SLOTS * STAGE8_BYTES;
+  // fp8: each K or V stage is its own staging tile: row r's HEAD_DIM bytes lie in row r's 128-byte slots of the
+  // stage's upper column blocks (stage8_offset), so the producer converts every row in place (sm90/producer.cuh)
+  // and an fp8 cache needs no shared memory beyond the 16-bit tiles, but (bf16 q) CTA_Q floats of Q row scales
+  static constexpr int BLOCKS = HEAD_DIM / 64;  // 64-column (128-byte) blocks of a tile row
+  __device__ __forceinline__ static constexpr uint32_t stage8_offset(int row, int byte) {
+    return BLOCKS >= 2 ? static_cast<uint32_t>((BLOCKS / 2 + byte / 128) * KV_STEP + row * 128 + byte % 128)
+                       : static_cast<uint32_t>(row * 128 + 64 + byte);
+  }
+  static constexpr int QINV_OFF = V_OFF + NUM_STAGES * KV_BYTES;
   static constexpr int BAR_OFF = QINV_OFF + (Q_TO_HALF ? CTA_Q * 4 : 0);
   // barriers: q_full, q_empty per Q stage, then k_full, k_empty, v_full, v_empty per KV stage
   static constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * NUM_STAGES;

@@ -103,36 +103,73 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
 // write its 16-bit chunks. Every byte a row's conversion reads or writes lies in that row's slots, so rows need no
 // other ordering. (Deadlock-free: with rings of two or more stages, the stage a unit waits for is released by the
 // consumers using units older than the LAG pending ones; the Q tile is handled in produce_fp8.)
+// Eight fp8 (8 bytes) -> eight fp16 (16 bytes), in order; H1: each word's high half converted in place (R.H1), with
+// no shift or mask to extract it (fp8.cuh: false where registers are short).
+template <typename TKV, bool H1>
+__device__ __forceinline__ uint4 fp8x8_to_half(uint2 raw) {
+  uint32_t a[2], b[2];
+  fp8x4_to_half2x2<TKV, H1>(raw.x, a);
+  fp8x4_to_half2x2<TKV, H1>(raw.y, b);
+  return make_uint4(a[0], a[1], b[0], b[1]);
+}
+
 template <typename Tr>
 __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
   using TKV = typename Tr::TKV;
+  static_assert(std::is_same<typename Tr::TM, __half>::value, "the sm90 fp8 tiles are fp16");
   constexpr int B = Tr::BLOCKS;
-  constexpr int G = B >= 2 ? 2 : 1;  // column blocks converted together: the dims one 128-byte slot holds
-  constexpr int RPP = 128 / 8;       // rows per pass of the 128 threads
-  constexpr int U = B >= 4 ? 1 : 2;  // passes whose reads go before their writes (2 G U registers)
+  constexpr int RPP = 128 / 8;       // rows per pass of the 128 threads (8 a row)
+  constexpr int U = B >= 4 ? 1 : 2;  // passes whose reads go before their writes
   static_assert(Tr::CTA_KV % (RPP * U) == 0, "whole passes");
   const int c = static_cast<int>(tid % 8), r0 = static_cast<int>(tid / 8);
+  if constexpr (B == 2) {
+    // The row's 128 fp8 bytes fill its block-1 slot: a thread reads 16 of them (a warp, its 4 rows' 512
+    // contiguous bytes) and writes 16-bit chunks 2 c (lo) and 2 c + 1 (hi), the row's threads with c >= 4 the odd
+    // one first, so each store's 8 chunks of a row fill 8 distinct bank groups (chunks 8 apart share them).
+    const bool odd_first = c >= 4;
 #pragma unroll 1
-  for (int p = 0; p < Tr::CTA_KV / RPP; p += U) {
-    // blocks g G .. g G + G - 1 in order: their fp8 bytes lie in slot B / 2 + g (B >= 2), and the blocks they
-    // write were read before the last __syncwarp (block b >= B / 2 holds blocks 2 b - B and 2 b - B + 1's bytes)
-#pragma unroll
-    for (int g = 0; g < B / G; ++g) {
-      uint2 raw[U][G];
+    for (int p = 0; p < Tr::CTA_KV / RPP; p += U) {
+      uint4 raw[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int b = 0; b < G; ++b)  // dims 64 (g G + b) + 8 c .. + 7 of the row
-          raw[u][b] = *reinterpret_cast<const uint2*>(stage + Tr::stage8_offset(r0 + (p + u) * RPP,
-                                                                                64 * (g * G + b) + 8 * c));
+        raw[u] = *reinterpret_cast<const uint4*>(stage + Tr::stage8_offset(r0 + (p + u) * RPP, 16 * c));
       __syncwarp();  // every lane of the row has read what these writes overwrite
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < U; ++u) {
+        const int row = r0 + (p + u) * RPP;
+        const uint2 lo = make_uint2(raw[u].x, raw[u].y), hi = make_uint2(raw[u].z, raw[u].w);
+        const int k = 2 * c + (odd_first ? 1 : 0);
+        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k)) =
+            fp8x8_to_half<TKV, B == 2>(odd_first ? hi : lo);
+        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k ^ 1)) =
+            fp8x8_to_half<TKV, B == 2>(odd_first ? lo : hi);
+      }
+    }
+  } else {
+    // 8 bytes a thread (registers are short at head_dim 256), in groups of G blocks: the dims one slot holds.
+    // Slot g (block B / 2 + g, B >= 2) holds blocks 2 g and 2 g + 1's bytes; in order, the blocks a group writes
+    // were read before the last __syncwarp. Head_dim 64: the row's 64 bytes in its slot's upper half.
+    constexpr int G = B >= 2 ? 2 : 1;
+#pragma unroll 1
+    for (int p = 0; p < Tr::CTA_KV / RPP; p += U) {
 #pragma unroll
-        for (int b = 0; b < G; ++b)
-          *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(r0 + (p + u) * RPP,
-                                                                                  8 * (g * G + b) + c)) =
-              fp8x8_to<typename Tr::TM, TKV>(raw[u][b]);
+      for (int g = 0; g < B / G; ++g) {
+        uint2 raw[U][G];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int b = 0; b < G; ++b)  // dims 64 (g G + b) + 8 c .. + 7 of the row
+            raw[u][b] = *reinterpret_cast<const uint2*>(stage + Tr::stage8_offset(r0 + (p + u) * RPP,
+                                                                                  64 * (g * G + b) + 8 * c));
+        __syncwarp();
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int b = 0; b < G; ++b)
+            *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(r0 + (p + u) * RPP,
+                                                                                    8 * (g * G + b) + c)) =
+                fp8x8_to_half<TKV, B == 2>(raw[u][b]);
+      }
     }
   }
 }

@@ -23,6 +23,9 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
                                    e^{sink}): (o, lse) stays a state merge_state combines exactly (the sink counted
                                    once); a row with no visible key gives o = 0, lse = sink * log2(e)
 Positions are logical: q_pos = kv_len - qo_len + (query index in its request), so causal is kv_pos <= q_pos.
+A hook may also run where its result is discarded: for a tile's padding rows (they see the request's last q_pos,
+so every q_pos is one of the request's), and logits_transform for keys the mask then hides, up to the end of the
+kv tile (kv_pos past kv_len - 1): a snippet that reads memory by kv_pos must bound it by kv_len.
 Snippets may call attnjit::fast_tanh(x) (the hardware tanh.approx) besides CUDA's math functions.
 
 The built-ins (soft-cap, sliding window, ALiBi, custom mask, sigmoid attention, LLaMA RoPE, attention sinks) are

@@ -48,7 +48,7 @@ def test_each_configuration_fits_and_matches_the_traits_formula():
     from attnjit.generator import render
 
     src = render(AttentionSpec(**PREFILL, tile="kv64s3")).source
-    assert "Sm90Traits<T, TO, HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND,\n    64, 3, 2, 0>" in src
+    assert "Sm90Traits<T, TO, TKV, HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND,\n    64, 3, 2, 0>" in src
     src = render(AttentionSpec(**PREFILL, tile="kv128t8")).source
     assert "KV_HND,\n    128, 2, 2, 8>" in src and "attnjit_sm90_q128_kv128_s2q2_t8_ws" in src
 

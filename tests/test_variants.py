@@ -34,7 +34,7 @@ def test_default_spec_has_no_variant_code_and_no_variant_in_its_name():
         src = render(spec).source
         assert "struct Variant" not in src and "VariantPart_" not in src
         assert "variant" not in spec.canonical()
-        traits = {"fa2": "AttentionTraits<T, TO, TKV,", "sm90": "Sm90Traits<T, TO,"}[spec.family]
+        traits = {"fa2": "AttentionTraits<T, TO, TKV,", "sm90": "Sm90Traits<T, TO, TKV,"}[spec.family]
         assert f"{traits} HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND," in src
         assert ", Variant>" not in src  # the kernels instantiate the NoVariant default
 

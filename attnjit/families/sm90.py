@@ -4,6 +4,9 @@ One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared mem
 mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
 tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent.
 
+An fp8 cache (e4m3, e5m2) is copied as stored into the fp16 tiles it becomes and converted there by the producer
+(``sm90/producer.cuh``); the wgmma then run in fp16, a bf16 q rescaled per row into fp16 by the consumers.
+
 Decode stays on fa2 (memory-bound; its narrow tiles), and so do prefill batches whose requests have few packed rows
 (``prefers``): a 128-row tile would compute mostly padding there.
 """

@@ -242,6 +242,12 @@ HEAD_SCALE = Variant("head_scale", params={"head_scale": TensorParam("float32", 
                      logits_transform="return logit * head_scale[qo_head];")
 GAINS = Variant("gains", params={"q_gain": float, "o_gain": float},
                 query_transform="return q * q_gain;", output_transform="return o * o_gain;")
+# records the largest q_pos its mask hook sees per request (tests/gpu/test_variants.py: hooks see only the
+# request's positions, padding rows included)
+POS_PROBE = Variant("pos_probe", params={"seen": TensorParam("int32", per="request")},
+                    logits_mask="atomicMax(const_cast<int*>(seen) + batch_idx, q_pos);\nreturn true;")
+# (op, family) the probe runs on
+POS_PROBE_RUNS = (("prefill", "sm90"), ("prefill", "fa2"), ("decode", "fa2"))
 
 
 @dataclass(frozen=True)
@@ -314,6 +320,7 @@ class ServingCase:
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
     kv: str | None = None       # an fp8 cache (paged, decode): with a key transform it is converted in shared memory
+    tile: str | None = None     # an sm90 tile configuration (the case then runs on sm90 only)
 
     @property
     def builtin_variant(self):
@@ -324,13 +331,16 @@ class ServingCase:
     @property
     def families(self) -> tuple[str, ...]:
         """As Case's, less a family that declines the feature's spec (sm90: a key transform over e5m2)."""
+        if self.tile is not None:
+            return ("sm90",)
         return tuple(f for f in families_for(self.kind, self.kv) if self.spec(f).family == f)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         kind = "paged" if self.kind == "sink_wrapper" else self.kind
         base = replace(_P if kind == "paged" else _R if kind == "ragged" else _D, dtype=self.dtype,
                        causal=self.causal and kind != "decode", kv=self.kv)
-        return base.spec(family).replace(variant=self.builtin_variant)
+        spec = base.spec(family).replace(variant=self.builtin_variant)
+        return spec.replace(tile=self.tile) if self.tile is not None else spec
 
 
 SERVING = [
@@ -349,6 +359,9 @@ SERVING = [
     ServingCase("sink-window-decode-split", "decode", "sink_window", split="force"),
     ServingCase("sink-wrapper-window", "sink_wrapper", "sink_window"),
     ServingCase("sink-wrapper-fp16-noncausal", "sink_wrapper", "sink", False, dtype=torch.float16),
+    # the sink starts the online softmax (m = sink): with kv128t8's lazy rescale too
+    ServingCase("sink-paged-kv128t8", "paged", "sink", tile="kv128t8"),
+    ServingCase("sink-window-paged-split-kv128t8", "paged", "sink_window", split="force", tile="kv128t8"),
 ]
 SERVING_MATRIX = [(c, f) for c in SERVING for f in c.families]
 
@@ -392,14 +405,20 @@ TRANSFORMERS_SPECS = [
 ]
 
 
+def pos_probe_spec(op: str, family: str) -> AttentionSpec:
+    base = _D if op == "decode" else replace(_P, causal=False)
+    return base.spec(family).replace(variant=POS_PROBE)
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
     tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX] + \
         [c.spec("sm90").replace(tile=t) for c, t in VARIANT_TILE_MATRIX]
     serving = [c.spec(f) for c, f in SERVING_MATRIX]
+    probes = [pos_probe_spec(op, f) for op, f in POS_PROBE_RUNS]
     for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles \
-            + serving:
+            + serving + probes:
         if s not in out:
             out.append(s)
     return out

@@ -115,7 +115,7 @@ def test_serving_feature_matches_reference(case: ServingCase, family: str, works
                    kv_data_type=dtype, **plan_args(case))
             w.run(b.q, b.cache, sinks, 1.0 / math.sqrt(D), out=out, lse=lse)  # FlashInfer's positional form
         else:
-            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend)
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, backend=backend, tile=case.tile)
             w.plan(qo_t, kvp_t, idx_t, last_t, H_Q, H_KV, D, 16, causal=causal, q_data_type=dtype, **fp8_plan,
                    **plan_args(case))
             w.run(b.q, cache, out=out, lse=lse, **run_kw, **fp8_run)

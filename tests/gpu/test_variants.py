@@ -16,7 +16,8 @@ from attnjit.reference import Hooks
 
 from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, poisoned, quantize,
                        quantize_cache)
-from .cases import BACKEND, DEC_MED, MIXED_KV, MIXED_QO, VARIANT_MATRIX, VARIANT_TILE_MATRIX, VariantCase
+from .cases import (BACKEND, DEC_MED, MIXED_KV, MIXED_QO, POS_PROBE, POS_PROBE_RUNS, VARIANT_MATRIX,
+                    VARIANT_TILE_MATRIX, VariantCase, pos_probe_spec)
 
 DEV = "cuda"
 H_Q, H_KV, D = 32, 8, 128
@@ -169,3 +170,31 @@ def test_single_prefill_with_a_variant():
     ref, _ = reference.attention(q, k, v, causal=True, hooks=Hooks(logits=lambda l, p: CAP * torch.tanh(l / CAP)))
     assert_close(o, ref, torch.float16)
     assert math.isfinite(o.float().sum().item())
+
+
+@pytest.mark.parametrize("op,family", POS_PROBE_RUNS, ids=[f"{o}-{f}" for o, f in POS_PROBE_RUNS])
+def test_hooks_see_only_the_requests_positions(op, family, workspace):
+    """A tile's padding rows run the hooks too (their results are discarded); they must see a q_pos of the request,
+    or a hook that reads by position (the custom mask's bits) reads past its tensor: a crash that depends on where
+    the tensor was allocated (it killed the GPU suite once, several hundred tests in). The probe's mask records the
+    largest q_pos per request: exactly kv_len - 1 (the last row), never more."""
+    qo = (1,) * len(DEC_MED) if op == "decode" else MIXED_QO
+    kv = DEC_MED if op == "decode" else MIXED_KV
+    b = make_paged(qo, kv, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D, dtype=torch.bfloat16,
+                   device=DEV, seed=21)
+    if op == "decode":
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, variant=POS_PROBE, backend=BACKEND[family])
+        w.plan(*(i32(x, DEV) for x in (b.kv_indptr, b.kv_indices, b.last_page_len)), H_Q, H_KV, D, 16,
+               q_data_type=torch.bfloat16)
+    else:
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=POS_PROBE, backend=BACKEND[family])
+        w.plan(*b.tensors(DEV), H_Q, H_KV, D, 16, causal=False, q_data_type=torch.bfloat16)
+    assert w.last_plan["family"] == family and w._plan.spec == pos_probe_spec(op, family)
+    seen = torch.full((len(qo),), -1, dtype=torch.int32, device=DEV)
+    out = w.run(b.q, b.cache, seen=seen)
+    torch.cuda.synchronize()
+    want = torch.tensor([k - 1 if q and k else -1 for q, k in zip(qo, kv)], dtype=torch.int32)
+    assert torch.equal(seen.cpu(), want), (seen.cpu().tolist(), want.tolist())
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   page_size=16, causal=False)
+    assert_close(out, ref, torch.bfloat16)  # the probe hides nothing

@@ -84,7 +84,12 @@ struct WorkItem {
 
   // ---- positions (what variant hooks see) --------------------------------------------------------------------
 
-  __device__ __forceinline__ int q_pos_of(int pr) const { return kv_len - qo_len + pr / Tr::GROUP; }
+  // A tile's padding rows (pr >= rows_total) still run the hooks (their results are never written): they see the
+  // request's last row, so a hook that reads memory by position (the custom mask's bits, a user tensor) stays
+  // inside the request's data rather than past the end of the tensor.
+  __device__ __forceinline__ int q_pos_of(int pr) const {
+    return kv_len - qo_len + min(pr, rows_total - 1) / Tr::GROUP;
+  }
   __device__ __forceinline__ int qo_head_of(int pr) const { return kv_head * Tr::GROUP + pr % Tr::GROUP; }
 
   // Packed row pr's sink logit in log2 units, where this item carries the row's sink (chunk 0); else -inf (no sink).

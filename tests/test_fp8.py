@@ -66,7 +66,7 @@ def test_bad_fp8_specs_name_the_field(kwargs, field, message):
     assert exc.value.field == field
 
 
-def test_fp8_prefill_defaults_to_sm90_but_an_e5m2_key_transform_to_fa2():
+def test_fp8_prefill_defaults_to_sm90_but_a_key_transform_past_fp16_to_fa2():
     from attnjit import variants
 
     prefill = dict(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", mask="causal", arch="sm_90a")
@@ -78,6 +78,12 @@ def test_fp8_prefill_defaults_to_sm90_but_an_e5m2_key_transform_to_fa2():
     assert AttentionSpec(**prefill, dtype_kv="e5m2", variant=variants.ROPE_LLAMA).family == "fa2"
     with pytest.raises(SpecError, match="cannot hold a key transform of an e5m2 cache"):
         AttentionSpec(**prefill, dtype_kv="e5m2", variant=variants.ROPE_LLAMA, family="sm90")
+    # a user key transform may scale past fp16 (448 x 147 > 65504): fa2, which transforms in bf16
+    gain = attnjit.Variant("kgain_test", params={"g": float}, key_transform="return k * g;")
+    assert AttentionSpec(**prefill, dtype_kv="e4m3", variant=gain).family == "fa2"
+    assert AttentionSpec(**prefill, dtype_kv="bf16", variant=gain).family == "sm90"
+    assert AttentionSpec(**prefill, dtype_kv="e4m3", variant=variants.compose(variants.ROPE_LLAMA,
+                                                                              variants.SOFTCAP)).family == "sm90"
 
 
 def test_a_catalog_names_fp8_kv(tmp_path):
@@ -170,7 +176,7 @@ def test_fp8_kernels_compile_without_spills(tmp_path, spec):
 ], ids=lambda s: s.short_name() + (f"-{s.tile}" if s.tile else ""))
 def test_sm90_fp8_prefill_converts_in_the_producer_and_multiplies_in_fp16(tmp_path, spec):
     """The sm90 family over an fp8 cache: no spills, every wgmma fp16 (a bf16 q is converted once per item), and
-    the hardware fp8 -> fp16 convert (the producer's staging ring, sm90/producer.cuh)."""
+    the hardware fp8 -> fp16 convert (the producer converts each tile in place, sm90/producer.cuh)."""
     assert spec.family == "sm90"
     log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert_no_spills(log, sass)

@@ -35,11 +35,21 @@ def unsupported(spec: "AttentionSpec") -> str | None:
         return "the sm90 family is for prefill; decode runs on fa2 (memory-bound, narrow tiles)"
     if spec.dtype_kv != spec.dtype_q and not _fp8(spec):
         return f"the sm90 family reads a {spec.dtype_q} or fp8 KV cache, not {spec.dtype_kv}"
-    if _fp8(spec) and spec.dtype_kv == "e5m2" and spec.variant is not None and any(
-            part.hook("key_transform") for part in spec.variant.parts):
-        # the fp16 K tile holds e5m2's range (57344), not a rotation of it (up to sqrt(2) x): fa2 transforms in bf16
-        return "the sm90 family's fp16 K tile cannot hold a key transform of an e5m2 cache (fa2 can)"
+    if _fp8(spec) and spec.variant is not None:
+        # the key transform runs on the fp16 K tile (fa2 transforms in bf16). The one known to stay in fp16's
+        # range is LLaMA RoPE over e4m3: a rotation (|k| grows by at most sqrt(2)) of values up to 448. A rotation
+        # of e5m2's (57344) overflows, and a user transform may scale without bound.
+        keyed = [part for part in spec.variant.parts if part.hook("key_transform")]
+        if keyed and (spec.dtype_kv != "e4m3" or any(part is not _rope() for part in keyed)):
+            what = "an e5m2 cache" if spec.dtype_kv == "e5m2" else "an fp8 cache, but for RoPE over e4m3"
+            return f"the sm90 family's fp16 K tile cannot hold a key transform of {what} (fa2 can)"
     return None
+
+
+def _rope():
+    from ..variants import ROPE_LLAMA
+
+    return ROPE_LLAMA
 
 
 def _fp8(spec: "AttentionSpec") -> bool:

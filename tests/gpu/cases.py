@@ -27,7 +27,7 @@ DEC_LONG = (131072,)                                          # 128K history
 DEC_MANY = tuple(1 + (i * 37) % 600 for i in range(300))      # fills the GPU: no split
 
 
-def families_for(kind: str, kv: str | None) -> tuple[str, ...]:
+def families_for(kind: str) -> tuple[str, ...]:
     """Prefill (16-bit or fp8 cache) runs on both families; decode on fa2 (sm90 declines it)."""
     return ("fa2",) if kind == "decode" else FAMILIES
 
@@ -58,7 +58,7 @@ class Case:
     @property
     def families(self) -> tuple[str, ...]:
         """The kernel families this case runs on (its axis in the matrix): prefill on both, decode on fa2."""
-        return families_for(self.kind, self.kv)
+        return families_for(self.kind)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         dt = dtypes.lookup(self.dtype).name
@@ -186,6 +186,10 @@ FP8 = [
     replace(_P, name="fp8-paged-e4m3-p48-hnd", kv="e4m3", page_size=48, layout="HND"),
     replace(_P, name="fp8-paged-e4m3-d64-tensor", kv="e4m3", head_dim=64, scale="tensor"),
     replace(_P, name="fp8-paged-e5m2-d256-fp16", kv="e5m2", head_dim=256, dtype=F16),
+    replace(_P, name="fp8-paged-e4m3-d256-tensor", kv="e4m3", head_dim=256, scale="tensor"),  # bf16 q at d256
+    # causal, split into 128-token chunks: q tile 0's later chunks are items with rows and no kv tile (the sm90
+    # fp8 producer converts its pending tiles before the next Q stage then)
+    replace(_P, name="fp8-paged-e4m3-empty-chunks", kv="e4m3", qo_lens=(2048,), kv_lens=(2048,), split="force"),
     replace(_P, name="fp8-paged-e4m3-long-autosplit", kv="e4m3", qo_lens=LONG_QO, kv_lens=LONG_KV),
     replace(_R, name="fp8-ragged-e4m3", kv="e4m3"),
     replace(_R, name="fp8-ragged-e5m2-tensor-fp16-noncausal", kv="e5m2", scale="tensor", dtype=F16, causal=False),
@@ -273,7 +277,7 @@ class VariantCase:
 
     @property
     def families(self) -> tuple[str, ...]:
-        return families_for(self.kind, self.kv)
+        return families_for(self.kind)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         base = replace(_P if self.kind == "paged" else _R if self.kind == "ragged" else _D, dtype=self.dtype,
@@ -333,7 +337,7 @@ class ServingCase:
         """As Case's, less a family that declines the feature's spec (sm90: a key transform over e5m2)."""
         if self.tile is not None:
             return ("sm90",)
-        return tuple(f for f in families_for(self.kind, self.kv) if self.spec(f).family == f)
+        return tuple(f for f in families_for(self.kind) if self.spec(f).family == f)
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         kind = "paged" if self.kind == "sink_wrapper" else self.kind

@@ -201,7 +201,7 @@ __device__ __forceinline__ void load_page_ids(const Item& it, int tile, RegPageI
 // Copy K and V rows of tile `tile` into the tiles at shared addresses ks / vs, reading page ids from page_id(s)
 // (RingPageIds or RegPageIds). Rows past kv_stop are zero-filled (src-size 0): hidden keys must still have finite V.
 // LOAD_K / LOAD_V: which of the two to copy (a producer that feeds K and V through separate rings copies one).
-// fp8: ks / vs are staging tiles (rows of G::KV_ROW_BYTES, the first HEAD_DIM of them the row's bytes).
+// fp8: ks / vs are staging tiles, byte x of row r at G::stage8_offset(r, x).
 template <typename G, bool LOAD_K = true, bool LOAD_V = true, typename Item, typename PageIds>
 __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks, uint32_t vs, const PageIds& page_id,
                                           unsigned tid) {

@@ -47,11 +47,11 @@ struct AttentionTraits {
   static constexpr bool FP8_KV = KV_ELEM_BYTES == 1;
   static constexpr bool FP8_IN_REGS = FP8_KV && !Variant::HAS_KEY_TRANSFORM;
   static constexpr int KV_ROW_BYTES = FP8_KV ? HEAD_DIM + 16 : ROW_BYTES;
-  static constexpr int KV_STAGE_SMEM = CTA_KV * KV_ROW_BYTES;
+  static constexpr int KV_STAGE_SMEM = CTA_KV * KV_ROW_BYTES;  // one of K or V, one stage, as stored
   // where byte `byte` of a staged fp8 row lands (attnjit/kv_load.cuh): rows of KV_ROW_BYTES
   __device__ __forceinline__ static constexpr uint32_t stage8_offset(int row, int byte) {
     return static_cast<uint32_t>(row * KV_ROW_BYTES + byte);
-  }  // one of K or V, one stage, as stored
+  }
   // Converted in shared memory, where warps split the kv tile (NUM_WARPS_KV > 1: decode), each warp reads only its
   // own WARP_COLS rows of K and V, so each converts its own rows, K before S = Q K^T and then V into the same
   // 16-bit tile before O += P V, with __syncwarp only; otherwise (every warp reads every row) the CTA converts K

@@ -1,6 +1,6 @@
 // attnjit/sm90/producer.cuh: the sm90 family's shared-memory map, its rings, the work order both roles walk, and the
 // producer warpgroup: Q, K and V copied (paged or ragged, attnjit/kv_load.cuh) into the tiles the consumers' wgmma
-// read, each batch completing on an mbarrier; an fp8 cache through a staging ring that the producer converts.
+// read, each batch completing on an mbarrier; an fp8 cache copied as stored into those tiles and converted there.
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/kv_load.cuh"
@@ -42,7 +42,7 @@ struct Ring {
 };
 
 // The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid. The item
-// count is read again per item (an L1 hit) rather than held: at head_dim 256 the producer has 24 registers.
+// count is read again per item (an L1 hit) rather than held: at head_dim 256 the producer has 24 (fp8: 32).
 template <typename P, typename F>
 __device__ __forceinline__ void for_each_item(const P& p, F&& f) {
   const int heads = static_cast<int>(p.num_kv_heads);

@@ -14,9 +14,9 @@ struct Sm90Traits {
   using T = T_;      // q's type (the Q tile as it lands)
   using TKV = TKV_;  // the cache's element type: T, or fp8 (e4m3 / e5m2)
   using TO = TO_;
-  // An fp8 cache is copied as stored into a staging ring and converted by the producer into 16-bit K and V tiles;
+  // An fp8 cache is copied as stored into the 16-bit K and V tiles and converted there, in place, by the producer;
   // the wgmma then runs in fp16 (fp8 -> fp16 is one instruction per two values and exact). A bf16 q becomes fp16
-  // in its Q tile, each row times 2^e (attnjit/fp8.cuh q_rows_to_half), S multiplied back by 2^-e.
+  // in its Q tile, each row times 2^e (attnjit/kv_load.cuh q_rows_to_half_rows), S multiplied back by 2^-e.
   static constexpr bool FP8_KV = sizeof(TKV_) == 1;
   using TM = std::conditional_t<FP8_KV, __half, T_>;  // the wgmma's type: K, V and (converted) Q tiles, and P
   static constexpr bool Q_TO_HALF = FP8_KV && std::is_same<T_, __nv_bfloat16>::value;
@@ -72,7 +72,7 @@ struct Sm90Traits {
   static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
   static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
   // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its
-  // epilogue (and, fp8, its Q rows' conversion); the producer warpgroup (fp8: its staging ring)
+  // epilogue (and, fp8, its Q rows' conversion); the producer warpgroup (fp8: its conversions)
   static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS, BAR_PRODUCER = 2 + 2 * CONSUMERS;
 
   static_assert(HEAD_DIM % 64 == 0, "sm90 tiles are whole 64-column (128-byte) swizzle blocks");
@@ -84,6 +84,8 @@ struct Sm90Traits {
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(sizeof(TKV_) == 2 ? std::is_same<TKV_, T_>::value : FP8_KV, "the cache holds q's type or fp8");
+  static_assert(!FP8_KV || BLOCKS == 1 || BLOCKS == 2 || BLOCKS == 4,
+                "fp8 staging and its in-place conversion cover head dims 64, 128 and 256 (sm90/producer.cuh)");
   static_assert(SMEM_BYTES <= 227 * 1024, "the tiles do not fit in shared memory");
   static_assert(PRODUCER_REGS * 128 + CONSUMER_REGS * CONSUMER_THREADS <= LAUNCH_REGS * NUM_THREADS,
                 "setmaxnreg budgets exceed the CTA's registers at launch: the consumers would wait forever");

@@ -12,6 +12,11 @@ gives each phase's mean length and how much of the time both warpgroups are in t
 Phases of iteration j (T0..T6): T0 -> T1 waiting for K(j) and the turn, then issuing S(j) = Q K^T; T1 -> T2 rescaling
 O, waiting for V(j-1), issuing P(j-1) V(j-1); T2 -> T3 passing the turn and waiting for S(j); T3 -> T4 the softmax;
 T4 -> T5 waiting for P(j-1) V(j-1); T5 -> T6 packing P(j).
+
+Per work item too (the first MAX_ITEMS of each warpgroup, I0..I3): I0 -> I1 waiting for the Q tile (and, over an
+fp8 cache with a bf16 q, converting its rows), I1 -> I2 the main loop, I2 -> I3 the epilogue, I3 -> the next I0 the
+walk to the next item; with the item's kv tile count, so short and long items can be told apart. ``--kv e4m3``
+times the kernel over an e4m3 cache (issue 14's sm90 fp8 path).
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from attnjit import generator, jit  # noqa: E402
 from attnjit.specs import AttentionSpec  # noqa: E402
 
 MAX_REC = 256
+MAX_ITEMS = 64
 PHASES = ("K + turn + issue S", "rescale O + V + issue PV", "pass + wait S", "softmax", "wait PV", "pack P")
+ITEM_PHASES = ("wait Q (+ convert)", "main loop", "epilogue", "to the next item")
 
 _MEMBER = "  bool rescale = false;"
 _STAMP = (_MEMBER + """
@@ -38,11 +45,36 @@ _STAMP = (_MEMBER + """
     if ((threadIdx.x & 127) == 0 && tl_rec < %d)
       reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 +
                                                  k] = t;
-  }""" % (MAX_REC, MAX_REC))
+  }
+  int tl_item = 0;
+  __device__ __forceinline__ void tli(int k) {
+    long long t = clock64();
+    if ((threadIdx.x & 127) == 0 && tl_item < %d) {
+      long long* at = reinterpret_cast<long long*>(it.p.tmp_o) + %s +
+                      ((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_item) * 8;
+      at[k] = t;
+      if (k == 0) at[4] = it.num_tiles;
+    }
+  }""" % (MAX_REC, MAX_REC, MAX_ITEMS, "ITEM_BASE", MAX_ITEMS))
 # the steady main loop (Consumer::mainloop) and where each stamp goes in it: after the statement, in this order
 _LOOP_HEAD = "    for (int j = 1; j < n; ++j) {\n"
 _AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, scale2);", "done_with_v(vr);",
           "pack_p();")
+
+
+# where the per-item stamps go in Consumer::run: after each statement (I0, I3) or before it (I1, I2)
+_ITEM_AFTER0 = "      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\n"
+_ITEM_MAIN = "      mainloop(kr, vr, scale2);\n      epilogue();\n"
+
+
+def _stamp_items(src: str, item_base: int) -> str:
+    """Consumer::run with tli(0..3) around the item's phases (item records after the loop records)."""
+    if src.count(_ITEM_AFTER0) != 1 or src.count(_ITEM_MAIN) != 1:
+        raise SystemExit("sm90_timeline.py: the consumer's item loop changed; update _ITEM_AFTER0 and _ITEM_MAIN")
+    src = src.replace(_ITEM_AFTER0, _ITEM_AFTER0 + "      tli(0);\n")
+    src = src.replace(_ITEM_MAIN, "      tli(1);\n      mainloop(kr, vr, scale2);\n      tli(2);\n      epilogue();\n"
+                                  "      tli(3);\n      ++tl_item;\n")
+    return src.replace("ITEM_BASE", str(item_base))
 
 
 def _stamp_loop(src: str) -> str:
@@ -65,14 +97,36 @@ def _stamped(render):
         r = render(spec)
         if spec.family != "sm90":
             return r
-        src = _stamp_loop(r.source).replace(_MEMBER, _STAMP)
+        src = _stamp_items(_stamp_loop(r.source).replace(_MEMBER, _STAMP), ITEM_BASE)
         return generator.Rendered(spec=r.spec, source=src, kernels=r.kernels, template=r.template)
     return render_stamped
 
 
-def _spec(causal: bool) -> AttentionSpec:
-    return AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal" if causal else "none",
-                         group_size=4, family="sm90", arch="sm_90a")
+SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is one per SM)
+ITEM_BASE = SMS_MAX * 2 * MAX_REC * 8  # int64s before the item records
+
+
+def _spec(causal: bool, kv: str) -> AttentionSpec:
+    return AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
+                         mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a")
+
+
+def item_report(stamps) -> dict:
+    """Per-item phase means (cycles), over all items and by kv tile count."""
+    import numpy as np
+
+    t = stamps.reshape(-1, MAX_ITEMS, 8).astype(np.int64)              # [cta * wg, item, 8]
+    valid = (t[..., 0] > 0) & (t[..., 3] > t[..., 0])
+    nxt = np.concatenate([t[:, 1:, 0], np.zeros_like(t[:, :1, 0])], axis=1)
+    d = np.stack([t[..., 1] - t[..., 0], t[..., 2] - t[..., 1], t[..., 3] - t[..., 2], nxt - t[..., 3]], axis=-1)
+    has_next = valid & np.concatenate([valid[:, 1:], np.zeros_like(valid[:, :1])], axis=1)
+    out = {"items": int(valid.sum()),
+           "phase_cycles": {n: float(d[..., i][has_next if i == 3 else valid].mean()) for i, n in
+                            enumerate(ITEM_PHASES)}}
+    tiles = t[..., 4]
+    out["by_tiles"] = {int(n): {p: float(d[..., i][valid & (tiles == n)].mean()) for i, p in enumerate(ITEM_PHASES[:3])}
+                       for n in np.unique(tiles[valid])[:8]}
+    return out
 
 
 def report(stamps, cycles_per_ns: float | None = None) -> dict:
@@ -105,10 +159,11 @@ def main() -> int:
     ap.add_argument("shapes", nargs="+", help="BxL of paged causal prefill rows")
     ap.add_argument("--build", action="store_true", help="compile the stamped kernels into the cache and stop")
     ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "e4m3"), help="the cache's type (e4m3: the fp8 path)")
     ap.add_argument("--json")
     args = ap.parse_args()
     jit.render = _stamped(jit.render)
-    spec = _spec(not args.non_causal)
+    spec = _spec(not args.non_causal, args.kv)
     if args.build:
         jit.ensure(spec)
         print("built", spec.short_name())
@@ -125,16 +180,24 @@ def main() -> int:
         q = torch.randn(b * L, 32, 128, dtype=torch.bfloat16, device="cuda")
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3")
+        fp8 = args.kv == "e4m3"
+        if fp8:
+            cache = cache.to(torch.float8_e4m3fn)
         w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=not args.non_causal, q_data_type=torch.bfloat16,
-               disable_split_kv=True)
+               kv_data_type=cache.dtype, disable_split_kv=True)
+        assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):
             w.run(q, cache)
         ws.zero_()
         w.run(q, cache)
         torch.cuda.synchronize()
-        n = torch.cuda.get_device_properties(0).multi_processor_count * 2 * MAX_REC * 8  # the persistent grid
+        sms = torch.cuda.get_device_properties(0).multi_processor_count  # the persistent grid
+        assert sms <= SMS_MAX
+        n = sms * 2 * MAX_REC * 8
         stamps = ws[: n * 8].view(torch.int64).cpu().numpy()
+        items = ws[ITEM_BASE * 8: (ITEM_BASE + sms * 2 * MAX_ITEMS * 8) * 8].view(torch.int64).cpu().numpy()
         out[shape] = report(stamps)
+        out[shape]["items"] = item_report(items)
         print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)
         for wg in (0, 1):
             print(f"  cta 0, warpgroup {wg}:", [row[:7] for row in out[shape]["cta0"][wg][:6]], flush=True)

@@ -306,3 +306,22 @@ def test_merge_struct_and_launch_memo(monkeypatch):
         assert len(made) == 6                                  # the modules forgotten: the Launches too
     finally:
         dispatch.clear_memory()
+
+
+def test_the_cache_memo_sees_memory_moved_under_the_same_tensor():
+    """run() skips re-deriving a cache it saw last time; a cache object whose memory was swapped in place
+    (``cache.data = ...``, as offloading engines do) is a new cache: its pointers and page count are checked
+    again (a stale memo would have the kernels read the freed memory)."""
+    import attnjit
+
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8))
+    w.plan(i32([0, 2, 5]), i32(range(5)), i32([3, 16]), 32, 8, 128, 16, q_data_type=torch.bfloat16)
+    cache = torch.zeros(6, 2, 16, 8, 128, dtype=torch.bfloat16)
+    first = w._check_cache(w._plan, cache)
+    assert w._check_cache(w._plan, cache) is first  # the memo
+    cache.data = torch.zeros(6, 2, 16, 8, 128, dtype=torch.bfloat16)  # same object, other memory
+    moved = w._check_cache(w._plan, cache)
+    assert moved is not first and moved.k.data_ptr() == cache.data_ptr() != first.k.data_ptr()
+    cache.data = torch.zeros(2, 2, 16, 8, 128, dtype=torch.bfloat16)  # fewer pages than the plan's page table uses
+    with pytest.raises(ValueError, match="uses page id 4 but paged_kv_cache has 2 pages"):
+        w._check_cache(w._plan, cache)

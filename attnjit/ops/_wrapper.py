@@ -101,7 +101,7 @@ class _AttentionWrapper(FlashInferAliases):
         self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
         self._plan: Plan | None = None  # graph mode: every plan has the first one's spec, tile and grid
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
-        self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache) of the last run()
+        self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache, its memory) of the last run()
         self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
         self._kernels: dict[tuple, tuple] = {}            # (spec, tile, sms) -> (kernel, slots): _kernel_for
         self._prepared: dict[tuple, _Prepared] = {}       # plan key -> what it fixes: _prepare
@@ -415,8 +415,11 @@ class _PagedMixin:
     _op_kind = "paged"
 
     def _check_cache(self, plan: Plan, paged_kv_cache) -> PagedCache:
-        memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views
-        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan:
+        memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views, unless its
+        # memory moved under it (``cache.data = ...``, ``set_``, ``resize_`` keep the object): then the old pointers
+        # would read freed memory
+        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan and memo[3] == (
+                paged_kv_cache.data_ptr(), paged_kv_cache.shape, paged_kv_cache.stride(), paged_kv_cache.dtype):
             return memo[2]
         cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
         if cache.k.dtype != plan.kv_dtype or cache.k.device != self._device or cache.page_size != plan.page_size \
@@ -431,7 +434,8 @@ class _PagedMixin:
         if self._use_cuda_graph:
             self._graph_num_pages = cache.num_pages
         if isinstance(paged_kv_cache, torch.Tensor):  # a tuple is rebuilt by the caller each time: not memoized
-            self._cache_memo = (paged_kv_cache, plan, cache)
+            self._cache_memo = (paged_kv_cache, plan, cache, (paged_kv_cache.data_ptr(), paged_kv_cache.shape,
+                                                              paged_kv_cache.stride(), paged_kv_cache.dtype))
         return cache
 
     def _read_paged(self, names: tuple[str, str, str], qo_indptr, indptr, indices, last_page_len,

@@ -418,8 +418,10 @@ class _PagedMixin:
         memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views, unless its
         # memory moved under it (``cache.data = ...``, ``set_``, ``resize_`` keep the object): then the old pointers
         # would read freed memory
-        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan and memo[3] == (
-                paged_kv_cache.data_ptr(), paged_kv_cache.shape, paged_kv_cache.stride(), paged_kv_cache.dtype):
+        tensor = isinstance(paged_kv_cache, torch.Tensor)  # a tuple is rebuilt by the caller each time: not memoized
+        memory = (paged_kv_cache.data_ptr(), paged_kv_cache.shape, paged_kv_cache.stride(),
+                  paged_kv_cache.dtype) if tensor else None
+        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan and memo[3] == memory:
             return memo[2]
         cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
         if cache.k.dtype != plan.kv_dtype or cache.k.device != self._device or cache.page_size != plan.page_size \
@@ -433,9 +435,8 @@ class _PagedMixin:
                              f"{cache.num_pages} pages")
         if self._use_cuda_graph:
             self._graph_num_pages = cache.num_pages
-        if isinstance(paged_kv_cache, torch.Tensor):  # a tuple is rebuilt by the caller each time: not memoized
-            self._cache_memo = (paged_kv_cache, plan, cache, (paged_kv_cache.data_ptr(), paged_kv_cache.shape,
-                                                              paged_kv_cache.stride(), paged_kv_cache.dtype))
+        if tensor:
+            self._cache_memo = (paged_kv_cache, plan, cache, memory)
         return cache
 
     def _read_paged(self, names: tuple[str, str, str], qo_indptr, indptr, indices, last_page_len,

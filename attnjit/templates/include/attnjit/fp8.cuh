@@ -92,4 +92,14 @@ __device__ __forceinline__ uint4 fp8x8_to(uint2 raw) {
   return out;
 }
 
+// Eight fp8 (8 bytes) -> eight fp16 (16 bytes), in order; H1: each word's high half converted in place (R.H1), with
+// no shift or mask to extract it (false where registers are short).
+template <typename TKV, bool H1>
+__device__ __forceinline__ uint4 fp8x8_to_half(uint2 raw) {
+  uint32_t a[2], b[2];
+  fp8x4_to_half2x2<TKV, H1>(raw.x, a);
+  fp8x4_to_half2x2<TKV, H1>(raw.y, b);
+  return make_uint4(a[0], a[1], b[0], b[1]);
+}
+
 }  // namespace attnjit

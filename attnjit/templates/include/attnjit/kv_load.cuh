@@ -107,10 +107,10 @@ __device__ __forceinline__ void transform_q_tile(const Item& it, uint8_t* q_tile
 }
 
 // Apply the variant's key transform to the K tile at `k_tile` (keys kv0 .. kv0 + CTA_KV - 1, elements of T) in
-// shared memory, on `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half: it runs in the
-// main loop beside the O accumulators, so it must hold few registers. Rows at or past kv_stop are zero-filled and
-// hidden: left alone. The caller makes the tile resident before and synchronizes the threads after (and, where an
-// async-proxy reader such as wgmma follows, fences the proxies).
+// shared memory, on `nthreads` threads, pairs as in transform_q_tile but two elements (4 bytes) of each half: it
+// runs in the main loop beside the O accumulators, so it must hold few registers. Rows at or past kv_stop are
+// zero-filled and hidden: left alone. The caller makes the tile resident before and synchronizes the threads after
+// (and, where an async-proxy reader such as wgmma follows, fences the proxies).
 template <typename G, typename T = typename G::T, typename Item>
 __device__ __forceinline__ void transform_k_tile(const Item& it, uint8_t* k_tile, int kv0, unsigned tid, int nthreads) {
   constexpr int HALF = G::HEAD_DIM / 16;
@@ -303,7 +303,8 @@ __device__ __forceinline__ void q_rows_to_half_rows(uint8_t* tile, float* row_in
   constexpr int PER = CH / TPR;
   // every pass covers whole rows, and a warp's lanes all convert rows or all skip (the shuffles)
   static_assert(TPR >= 1 && TPR <= 8 && (TPR & (TPR - 1)) == 0 && CH % TPR == 0, "TPR: 1, 2, 4 or 8 per row");
-  static_assert((ROWS * TPR) % 32 == 0 && (ROWS * TPR <= THREADS || (ROWS * TPR) % THREADS == 0), "whole rows per pass");
+  static_assert((ROWS * TPR) % 32 == 0 && (ROWS * TPR <= THREADS || (ROWS * TPR) % THREADS == 0),
+                "whole rows per pass");
 #pragma unroll 1
   for (int row = row_begin + static_cast<int>(tid) / TPR; row < row_begin + ROWS; row += THREADS / TPR) {
     const auto chunk = [&](int j) {

@@ -103,15 +103,6 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
 // write its 16-bit chunks. Every byte a row's conversion reads or writes lies in that row's slots, so rows need no
 // other ordering. (Deadlock-free: with rings of two or more stages, the stage a unit waits for is released by the
 // consumers using units older than the LAG pending ones; the Q tile is handled in produce_fp8.)
-// Eight fp8 (8 bytes) -> eight fp16 (16 bytes), in order; H1: each word's high half converted in place (R.H1), with
-// no shift or mask to extract it (fp8.cuh: false where registers are short).
-template <typename TKV, bool H1>
-__device__ __forceinline__ uint4 fp8x8_to_half(uint2 raw) {
-  uint32_t a[2], b[2];
-  fp8x4_to_half2x2<TKV, H1>(raw.x, a);
-  fp8x4_to_half2x2<TKV, H1>(raw.y, b);
-  return make_uint4(a[0], a[1], b[0], b[1]);
-}
 
 template <typename Tr>
 __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
@@ -140,9 +131,9 @@ __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
         const uint2 lo = make_uint2(raw[u].x, raw[u].y), hi = make_uint2(raw[u].z, raw[u].w);
         const int k = 2 * c + (odd_first ? 1 : 0);
         *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k)) =
-            fp8x8_to_half<TKV, B == 2>(odd_first ? hi : lo);
+            fp8x8_to_half<TKV, true>(odd_first ? hi : lo);
         *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k ^ 1)) =
-            fp8x8_to_half<TKV, B == 2>(odd_first ? lo : hi);
+            fp8x8_to_half<TKV, true>(odd_first ? lo : hi);
       }
     }
   } else {
@@ -168,7 +159,7 @@ __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
           for (int b = 0; b < G; ++b)
             *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(r0 + (p + u) * RPP,
                                                                                     8 * (g * G + b) + c)) =
-                fp8x8_to_half<TKV, B == 2>(raw[u][b]);
+                fp8x8_to_half<TKV, false>(raw[u][b]);
       }
     }
   }
@@ -257,11 +248,13 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
       cur = next;
       if (t + 1 < it.num_tiles) load_page_ids<Tr>(it, t + 1, next, tid);
       st.template unit<false>([&](uint32_t dst) { gather_kv<Tr, true, false>(it, t, dst, 0u, cur, tid); });
-      if (t > 0) st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, t - 1, 0u, dst, prev, tid); });
+      if (t > 0)
+        st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, t - 1, 0u, dst, prev, tid); });
       prev = cur;
     }
     if (it.num_tiles > 0)
-      st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, dst, prev, tid); });
+      st.template unit<true>(
+          [&](uint32_t dst) { gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, dst, prev, tid); });
     item_units = 2 * it.num_tiles;
   });
   st.flush();

@@ -95,8 +95,8 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
 // ---- producer, fp8 cache ----------------------------------------------------------------------------------------
 // Each K or V tile (a "unit", in the 16-bit producer's order) is copied as stored into its own ring stage, row r's
 // bytes in row r's slots of the stage's upper column blocks (Sm90Traits::stage8_offset). LAG units later, once its
-// copies have landed, the producer's 128 threads convert it in place into the 16-bit tile (fp16), fence the writes
-// for the async proxy (wgmma) and release it with plain mbarrier arrivals. So LAG + 1 units' copies are in flight
+// copies have landed, each producer warp converts its rows of it in place into the 16-bit tile (fp16), fences the
+// writes for the async proxy (wgmma) and arrives on its mbarrier (128 arrivals). So LAG + 1 units' copies are in flight
 // while one is converted, across work items too, with no shared memory beyond the 16-bit rings.
 //
 // In place: the 8 threads of a row read all of its fp8 bytes, meet (__syncwarp: they are lanes of one warp), then
@@ -200,7 +200,9 @@ struct Fp8Stager {
   template <int GROUPS>
   __device__ __forceinline__ void convert_oldest() {
     cp_async_wait<GROUPS>();
-    named_sync(Tr::BAR_PRODUCER, 128);  // every thread's copies of the unit have landed
+    // A warp converts the rows its own lanes copied (8 a row, gather_kv's mapping): its lanes' copies landing is
+    // all it waits for, so the four warps go at their own pace (a barrier over the 128 held each at the slowest).
+    __syncwarp();
     if (kinds & 1u) {
       into(sm.v(vc.stage()), sm.v_full(vc.stage()));
       ++vc.n;
@@ -214,6 +216,14 @@ struct Fp8Stager {
 
   __device__ __forceinline__ void flush() {
     while (pending > 0) convert_oldest<0>();
+  }
+
+  // At an item's end: all but the newest pending unit. The consumers need them before the item's last P V, and
+  // left pending they would wait for the next item's first copies (its setup and page ids: a few thousand cycles,
+  // measured at the last tile of every item of 3 or more). Their copies were issued before the newest unit's
+  // stage-free wait, so they have usually landed.
+  __device__ __forceinline__ void settle() {
+    while (pending > 1) convert_oldest<1>();
   }
 
   __device__ __forceinline__ void into(uint8_t* stage, uint64_t* full) {
@@ -252,9 +262,11 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
         st.template unit<true>([&](uint32_t dst) { gather_kv<Tr, false, true>(it, t - 1, 0u, dst, prev, tid); });
       prev = cur;
     }
-    if (it.num_tiles > 0)
+    if (it.num_tiles > 0) {
       st.template unit<true>(
           [&](uint32_t dst) { gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, dst, prev, tid); });
+      st.settle();
+    }
     item_units = 2 * it.num_tiles;
   });
   st.flush();

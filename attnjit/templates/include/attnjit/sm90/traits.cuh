@@ -72,8 +72,8 @@ struct Sm90Traits {
   static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
   static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
   // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its
-  // epilogue (and, fp8, its Q rows' conversion); the producer warpgroup (fp8: its conversions)
-  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS, BAR_PRODUCER = 2 + 2 * CONSUMERS;
+  // epilogue (and, fp8, its Q rows' conversion). (The fp8 producer's warps convert independently: none.)
+  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS;
 
   static_assert(HEAD_DIM % 64 == 0, "sm90 tiles are whole 64-column (128-byte) swizzle blocks");
   static_assert(CTA_KV % 16 == 0 && CTA_KV >= 16 && CTA_KV <= 256, "a kv tile is wgmma N (S) and K slices (PV)");

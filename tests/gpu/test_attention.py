@@ -16,11 +16,12 @@ from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_pag
 from .cases import BACKEND, MATRIX, TILE_MATRIX, Case
 
 DEV = "cuda"
+WORKSPACE_BYTES = 256 << 20
 
 
 @pytest.fixture(scope="module")
 def workspace():
-    return torch.empty(256 << 20, dtype=torch.uint8, device=DEV)
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=DEV)
 
 
 def _split_kwargs(case: Case) -> dict:
@@ -32,33 +33,28 @@ def _cache_arg(cache: torch.Tensor, as_tuple: bool):
     return (cache[:, 0].contiguous(), cache[:, 1].contiguous()) if as_tuple else cache
 
 
-def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None):
+def plan_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None, device=DEV):
+    """The case's inputs on ``device`` and a wrapper planned for them: (wrapper, inputs). The plan half of run_case,
+    also run on the host by tests/test_case_plans.py (every case must plan within this module's workspace)."""
     hq, hkv = case.heads
     d = case.head_dim
-    kv_plan, scales = fp8_kwargs(case.kv, case.scale, case.heads[1], DEV)
+    kv_plan, scales = fp8_kwargs(case.kv, case.scale, case.heads[1], device)
     kv_dtype = dtypes.lookup(case.kv).torch if case.kv else None
     if case.kind == "ragged":
         qo_indptr, kv_indptr, q, k, v = make_ragged(case.qo_lens, case.kv_lens, num_qo_heads=hq, num_kv_heads=hkv,
-                                                    head_dim=d, dtype=case.dtype, device=DEV, seed=seed,
+                                                    head_dim=d, dtype=case.dtype, device=device, seed=seed,
                                                     offset=case.offset, ramp=case.ramp)
         if kv_dtype is not None:
             k, v = quantize(k, scales["k_scale"], 1, kv_dtype), quantize(v, scales["v_scale"], 1, kv_dtype)
         w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(workspace, backend=BACKEND[family], tile=tile)
-        w.plan(i32(qo_indptr, DEV), i32(kv_indptr, DEV), hq, hkv, d, causal=case.causal, q_data_type=case.dtype,
-               **kv_plan, **_split_kwargs(case))
-        out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
-        w.run(q, k, v, out=out, lse=lse, **scales)
-        ref_o, ref_lse = reference.batch_ragged(q, k, v, qo_indptr, kv_indptr, causal=case.causal, **scales)
-        return w, out, lse, ref_o, ref_lse
+        w.plan(i32(qo_indptr, device), i32(kv_indptr, device), hq, hkv, d, causal=case.causal,
+               q_data_type=case.dtype, **kv_plan, **_split_kwargs(case))
+        return w, dict(scales=scales, q=q, k=k, v=v, qo_indptr=qo_indptr, kv_indptr=kv_indptr)
     qo_lens = (1,) * len(case.kv_lens) if case.kind == "decode" else case.qo_lens
     b = make_paged(qo_lens, case.kv_lens, page_size=case.page_size, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
-                   dtype=case.dtype, layout=case.layout, device=DEV, shared_prefix=case.shared_prefix, seed=seed,
+                   dtype=case.dtype, layout=case.layout, device=device, shared_prefix=case.shared_prefix, seed=seed,
                    offset=case.offset)
-    qo_t, kvp_t, idx_t, last_t = b.tensors(DEV)
-    full = b.cache if kv_dtype is None else quantize_cache(b.cache, scales["k_scale"], scales["v_scale"], case.layout,
-                                                          kv_dtype)
-    cache = _cache_arg(full, as_tuple=case.dtype == torch.float16)
-    out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    qo_t, kvp_t, idx_t, last_t = b.tensors(device)
     if case.kind == "decode":
         w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace, kv_layout=case.layout, backend=BACKEND[family])
         w.plan(kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, q_data_type=case.dtype, **kv_plan,
@@ -68,6 +64,24 @@ def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | 
                                                         tile=tile)
         w.plan(qo_t, kvp_t, idx_t, last_t, hq, hkv, d, case.page_size, causal=case.causal, q_data_type=case.dtype,
                **kv_plan, **_split_kwargs(case))
+    return w, dict(scales=scales, paged=b, kv_dtype=kv_dtype)
+
+
+def run_case(case: Case, workspace, seed: int, family: str = "fa2", tile: str | None = None):
+    w, x = plan_case(case, workspace, seed, family, tile)
+    scales = x["scales"]
+    if case.kind == "ragged":
+        q, k, v = x["q"], x["k"], x["v"]
+        out, lse = poisoned(q.shape, case.dtype, DEV), poisoned(q.shape[:2], torch.float32, DEV)
+        w.run(q, k, v, out=out, lse=lse, **scales)
+        ref_o, ref_lse = reference.batch_ragged(q, k, v, x["qo_indptr"], x["kv_indptr"], causal=case.causal,
+                                                **scales)
+        return w, out, lse, ref_o, ref_lse
+    b, kv_dtype = x["paged"], x["kv_dtype"]
+    full = b.cache if kv_dtype is None else quantize_cache(b.cache, scales["k_scale"], scales["v_scale"], case.layout,
+                                                          kv_dtype)
+    cache = _cache_arg(full, as_tuple=case.dtype == torch.float16)
+    out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
     w.run(b.q, cache, out=out, lse=lse, **scales)
     ref_o, ref_lse = reference.batch_paged(b.q, full, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                            page_size=case.page_size, causal=case.causal and case.kind != "decode",

@@ -110,6 +110,8 @@ __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
   static_assert(std::is_same<typename Tr::TM, __half>::value, "the sm90 fp8 tiles are fp16");
   constexpr int B = Tr::BLOCKS;
   constexpr int RPP = 128 / 8;       // rows per pass of the 128 threads (8 a row)
+  // a warp converts exactly the rows its own lanes copied (convert_oldest waits for them with a __syncwarp only)
+  static_assert(Tr::LOAD_THREADS == 128 && RPP == Tr::LOAD_THREADS / 8, "gather_kv's rows: thread t, row t / 8");
   constexpr int U = B >= 4 ? 1 : 2;  // passes whose reads go before their writes
   static_assert(Tr::CTA_KV % (RPP * U) == 0, "whole passes");
   const int c = static_cast<int>(tid % 8), r0 = static_cast<int>(tid / 8);

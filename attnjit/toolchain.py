@@ -1,4 +1,5 @@
-"""nvcc: where it is, what version it is, and the flags a spec's arch compiles with."""
+"""nvcc: where it is, what version it is, and the flags a spec's arch compiles with (and cuobjdump, for the tools
+and tests that read a kernel's SASS)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,3 +92,14 @@ def arch_flags(arch: str) -> tuple[str, ...]:
 
 def flags_for(arch: str) -> tuple[str, ...]:
     return BASE_FLAGS + arch_flags(arch)
+
+
+def cuobjdump() -> str | None:
+    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel (the test extra installs it); None: neither."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for base in sys.path:
+        for cand in Path(base).glob("nvidia/cu*/bin/cuobjdump"):
+            return str(cand)
+    return None

@@ -18,7 +18,7 @@ from filelock import FileLock
 
 from attnjit.cache import Job
 from attnjit.specs import AttentionSpec
-from attnjit.toolchain import Nvcc, flags_for, nvcc
+from attnjit.toolchain import Nvcc, cuobjdump, flags_for, nvcc
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -162,17 +162,6 @@ def flip_cubin_byte(d: Path) -> None:
 
 
 # --- real compiles (nvcc, cuobjdump) ------------------------------------------------------------------------------
-
-def cuobjdump() -> str | None:
-    """cuobjdump from PATH or from the nvidia-cuda-cuobjdump wheel (the test extra installs it)."""
-    found = shutil.which("cuobjdump")
-    if found:
-        return found
-    for base in sys.path:
-        for cand in Path(base).glob("nvidia/cu*/bin/cuobjdump"):
-            return str(cand)
-    return None
-
 
 def compile_kernel(tmp_path: Path, spec: AttentionSpec, *, sass: bool = False) -> tuple[str, str | None]:
     """Render ``spec`` and compile it with nvcc for its arch (asserts success): (ptxas log, SASS or None)."""

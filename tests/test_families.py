@@ -138,6 +138,20 @@ def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dt
     assert "HGMMA" in sass
 
 
+@pytest.mark.nvcc
+def test_sm90_sass_report_finds_the_main_loop():
+    """benchmarks/sm90_sass.py finds the overlapped main loop by its waits and counts it: 16 HGMMA an iteration at
+    head_dim 128 (8 for S, 8 for P V), an exponential per score; the serial loop of head_dim 256 is refused by name."""
+    from benchmarks import sm90_sass as ss
+
+    rep = ss.analyze(ss.sass_of(ss.spec_for()))
+    assert rep["hgmma_in_loop"] == 16
+    assert rep["loop"]["opcodes"]["MUFU"] >= 64 and rep["loop"]["stall_cycles"] > rep["loop"]["instructions"] // 2
+    assert 0 <= rep["mufu_between_waits"] <= rep["loop"]["opcodes"]["MUFU"] and rep["softmax"]["instructions"] > 0
+    with pytest.raises(ValueError, match="wait_group 1"):
+        ss.analyze(ss.sass_of(ss.spec_for(head_dim=256)))
+
+
 def test_sm90_timeline_tool_still_finds_the_consumer_loop():
     """benchmarks/sm90_timeline.py inserts its stamps into the rendered sm90 source by matching the consumer's main
     loop text: a change to that loop must update the tool (it stops with a message), not leave it measuring nothing."""

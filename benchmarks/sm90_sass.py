@@ -31,15 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from attnjit.generator import render  # noqa: E402
 from attnjit.specs import AttentionSpec  # noqa: E402
 from attnjit.toolchain import cuobjdump, flags_for, nvcc  # noqa: E402
+from benchmarks.sm90_timeline import _spec  # noqa: E402
 
 _INSN = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;?\s*/\* (0x[0-9a-f]+) \*/")
 _WORD = re.compile(r"\s*/\* (0x[0-9a-f]+) \*/")
 
 
 def spec_for(kv: str | None = None, tile: str | None = None, head_dim: int = 128) -> AttentionSpec:
-    dt = {"dtype_q": "bf16", "dtype_o": "bf16", "dtype_kv": kv} if kv else {"dtype": "bf16"}
-    return AttentionSpec(op="prefill", head_dim=head_dim, page_size=16, mask="causal", group_size=4, family="sm90",
-                         arch="sm_90a", tile=tile, **dt)
+    """The benchmark spec (causal, bf16 q, page 16), the timeline tool's: over a bf16 cache unless ``kv``."""
+    return _spec(True, kv or "bf16", tile=tile, head_dim=head_dim)
 
 
 def sass_of(spec: AttentionSpec) -> str:
@@ -91,14 +91,13 @@ def analyze(sass: str) -> dict:
     if w1 is None:
         raise ValueError("no wgmma.wait_group 1 in the kernel: not the overlapped sm90 main loop (head_dim 256?)")
     w0 = next(i for i in range(w1, len(ins)) if "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins[i][1])
-    addr = [a for a, _, _ in ins]
+    at = {a: i for i, (a, _, _) in enumerate(ins)}  # address -> instruction index
     loops = []  # (first, last) instruction index of each backward branch around the two waits
-    for j, (a, t, _) in enumerate(ins):
+    for j, (_, t, _) in enumerate(ins):
         m = re.search(r"\bBRA\b.*?(0x[0-9a-f]+)\s*$", t)
-        if m and int(m.group(1), 16) < a:
-            first = addr.index(int(m.group(1), 16)) if int(m.group(1), 16) in addr else None
-            if first is not None and first <= w1 and j >= w0:
-                loops.append((first, j))
+        first = at.get(int(m.group(1), 16)) if m else None
+        if first is not None and first <= w1 and j >= w0:  # first <= w1 < j: a backward branch
+            loops.append((first, j))
     if not loops:
         raise ValueError("no backward branch around the main loop's waits")
     first, last = min(loops, key=lambda r: r[1] - r[0])

@@ -106,9 +106,10 @@ SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is
 ITEM_BASE = SMS_MAX * 2 * MAX_REC * 8  # int64s before the item records
 
 
-def _spec(causal: bool, kv: str) -> AttentionSpec:
-    return AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
-                         mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a")
+def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128) -> AttentionSpec:
+    """The benchmark's sm90 prefill spec (bf16 q, page 16, group 4) over a ``kv`` cache; sm90_sass.py's too."""
+    return AttentionSpec(op="prefill", head_dim=head_dim, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
+                         mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a", tile=tile)
 
 
 def item_report(stamps) -> dict:

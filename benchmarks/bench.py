@@ -273,12 +273,16 @@ def sweep_order(rows) -> list[dict]:
     return out
 
 
-def sweep_sm90(rows) -> list[dict]:
-    """Every sm90 tile configuration of the default spec on the prefill rows, with FlashInfer fa3 and cuDNN in the
-    same process (what the family's default should be; ``attnjit tune`` does this per spec on one shape)."""
+def sweep_sm90(rows, names: str = "") -> list[dict]:
+    """Every sm90 tile configuration of the default spec (or those ``names`` lists) on the prefill rows, with
+    FlashInfer fa3 and cuDNN in the same process (what the family's default should be; ``attnjit tune`` does this per
+    spec on one shape)."""
     from attnjit.families import sm90
 
-    tiles = tuple(sm90.CONFIGS)
+    tiles = tuple(filter(None, names.split(","))) or tuple(sm90.CONFIGS)
+    unknown = [t for t in tiles if t not in sm90.CONFIGS]
+    if unknown:
+        raise SystemExit(f"bench.py: unknown sm90 tile configuration(s) {unknown}; known: {', '.join(sm90.CONFIGS)}")
     fi = load_flashinfer()
     res: list[dict] = []
     prefill.bench_rows(fi, rows, res, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
@@ -317,6 +321,7 @@ def main() -> int:
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--tiles", default="", help="--sm90-sweep: the configurations to time (default: all)")
     sweeps = {  # flag -> (help, the sweep): each a tuning aid that times its variants and exits
         "sweep": ("time the prefill tile variants in SWEEP",
                   lambda: sweep_prefill(PREFILL_ROWS) + sweep_decode(DECODE_ROWS)),
@@ -325,7 +330,9 @@ def main() -> int:
         "deep_sweep": ("time the deep decode tile variants in SWEEP_DEEP", lambda: sweep_deep(SMALL_DECODE_ROWS)),
         "fp8_sweep": ("time the fp8 decode tile variants in SWEEP_FP8", lambda: sweep_fp8(FP8_SWEEP_ROWS)),
         "sm90_sweep": ("time the sm90 tile configurations (sweep_sm90)",
-                       lambda: sweep_sm90(prefill.MAIN + [r for r in prefill.EXTRA if r.head_dim == 128])),
+                       lambda: sweep_sm90(prefill.MAIN + ([] if args.main_only else
+                                                          [r for r in prefill.EXTRA if r.head_dim == 128]),
+                                          args.tiles)),
     }
     for flag, (text, _) in sweeps.items():
         ap.add_argument("--" + flag.replace("_", "-"), action="store_true", help=text)

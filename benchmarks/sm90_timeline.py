@@ -161,10 +161,11 @@ def main() -> int:
     ap.add_argument("--build", action="store_true", help="compile the stamped kernels into the cache and stop")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "e4m3"), help="the cache's type (e4m3: the fp8 path)")
+    ap.add_argument("--tile", default=None, help="an sm90 tile configuration (default: the family's default)")
     ap.add_argument("--json")
     args = ap.parse_args()
     jit.render = _stamped(jit.render)
-    spec = _spec(not args.non_causal, args.kv)
+    spec = _spec(not args.non_causal, args.kv, tile=args.tile)
     if args.build:
         jit.ensure(spec)
         print("built", spec.short_name())
@@ -180,7 +181,7 @@ def main() -> int:
         qo = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
         q = torch.randn(b * L, 32, 128, dtype=torch.bfloat16, device="cuda")
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3")
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
         fp8 = args.kv == "e4m3"
         if fp8:
             cache = cache.to(torch.float8_e4m3fn)

@@ -18,7 +18,8 @@
 #   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
 #   the benchmark spec); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
-#   BENCH_ARGS (e.g. --fi-skip fa3:64), TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
+#   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
+#   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -105,7 +106,7 @@ for s in sweep order dsweep fsweep tsweep; do
   t=$(date +%s); flag=--sweep; [ $s = order ] && flag=--order-sweep; [ $s = dsweep ] && flag=--deep-sweep
   [ $s = fsweep ] && flag=--fp8-sweep
   [ $s = tsweep ] && flag=--sm90-sweep && setup_flashinfer
-  python3 benchmarks/bench.py $flag --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
+  python3 benchmarks/bench.py $flag ${SWEEP_ARGS:-} --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
   summary+=("$s (rc=$?, $(( $(date +%s) - t )) s)")
 done
 

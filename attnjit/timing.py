@@ -1,6 +1,9 @@
 """GPU time of a call, the one way attnjit measures it (``attnjit tune`` and the benchmarks): ``warmup`` calls, then
 ``blocks`` blocks of ``reps`` back-to-back calls between two CUDA events; the median block's mean, in ms. Calls
-queue in the stream one after another, so the host's launch cost hides behind the GPU's work."""
+queue in the stream one after another, so the host's launch cost hides behind the GPU's work, as long as a call's
+GPU work outlasts its host time. Where it may not (a few short kernels a call: cascade decode), ``graph=True``
+captures the ``reps`` calls in one CUDA graph and times its replays: the GPU's time alone, as a graph-mode engine
+runs it."""
 
 from __future__ import annotations
 
@@ -9,22 +12,35 @@ from typing import Callable
 
 
 def time_ms(fn: Callable[[], object], reps: int = 30, blocks: int = 7, warmup: int = 10, *,
-            before_block: Callable[[], object] | None = None) -> float:
+            before_block: Callable[[], object] | None = None, graph: bool = False) -> float:
     """Median over blocks of the mean ms per call. ``before_block`` runs ahead of each block, outside the timed
-    span (e.g. a barrier that lines up the ranks of a collective)."""
+    span (e.g. a barrier that lines up the ranks of a collective). ``graph``: each block replays one CUDA graph of
+    ``reps`` calls (``fn`` must be capturable: no synchronization, no host reads of device data)."""
     import torch
 
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
+    block: Callable[[], object]
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        g.replay()  # the first replay uploads the graph
+        torch.cuda.synchronize()
+        block = g.replay
+    else:
+        def block() -> None:
+            for _ in range(reps):
+                fn()
     means = []
     for _ in range(blocks):
         if before_block is not None:
             before_block()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(reps):
-            fn()
+        block()
         end.record()
         end.synchronize()
         means.append(start.elapsed_time(end) / reps)

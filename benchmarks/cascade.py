@@ -9,6 +9,9 @@ H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages shuffled. Timed fou
   * FlashInfer's MultiLevelCascadeAttentionWrapper and its flat decode wrapper on the same cache and tables.
 Figures: ms per call (every launch of a call), the speed-up of cascade over flat, and the bytes a call must read
 at least (prefix once + suffixes: the floor for cascade) against the flat bytes (every request's whole history).
+Each is timed twice: eagerly, back to back (a cascade call is three short launches, so its host time can exceed its
+GPU time and set the figure), and as CUDA-graph replays (the GPU's time, as a graph-mode decode step runs it); the
+graph rows also time attnjit's cascade by part (level 0, level 1, the merge).
 Targets (issue 14): attnjit cascade >= 3x attnjit flat, and faster than FlashInfer's cascade.
 """
 
@@ -66,43 +69,69 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     arrays = cascade_arrays(prefix, suffixes)
     indptr, indices, last = flat_tables(prefix, suffixes)
 
+    def both(key: str, fn) -> None:
+        row[key + "_ms"] = time_ms(fn)
+        try:
+            row[key + "_graph_ms"] = time_ms(fn, graph=True)
+        except Exception as exc:  # noqa: BLE001 (a call that cannot be captured keeps its eager figure)
+            row[key + "_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
+
     flat = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
     flat.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT)
     out_flat = torch.empty_like(q)
-    row["attnjit_flat_ms"] = time_ms(lambda: flat.run(q, cache, out=out_flat))
+    both("attnjit_flat", lambda: flat.run(q, cache, out=out_flat))
     row["attnjit_flat_plan"] = flat.last_plan
 
     casc = attnjit.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
     casc.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT)
     out_casc = torch.empty_like(q)
-    row["attnjit_cascade_ms"] = time_ms(lambda: casc.run(q, cache, out=out_casc))
+    both("attnjit_cascade", lambda: casc.run(q, cache, out=out_casc))
     row["attnjit_cascade_plan"] = casc.last_plan
+    # by part, in graphs: level 0 (the prefix, one group), level 1 (the suffixes), merge_state_in_place
+    (w0, w1), (o0, l0) = casc._batch_prefill_wrappers, casc._scratch[0]
+    o1, l1 = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    parts = {"level0": lambda: w0.run(q, cache, out=o0, lse=l0), "level1": lambda: w1.run(q, cache, out=o1, lse=l1),
+             "merge": lambda: attnjit.merge_state_in_place(o1, l1, o0, l0)}
+    for name, fn in parts.items():
+        try:
+            row[f"attnjit_{name}_graph_ms"] = time_ms(fn, graph=True)
+        except Exception as exc:  # noqa: BLE001
+            row[f"attnjit_{name}_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            torch.cuda.synchronize()
     row["max_diff_cascade_vs_flat"] = (out_casc.float() - out_flat.float()).abs().max().item()
     row["attnjit_speedup"] = row["attnjit_flat_ms"] / row["attnjit_cascade_ms"]
+    if "attnjit_cascade_graph_ms" in row and "attnjit_flat_graph_ms" in row:
+        row["attnjit_graph_speedup"] = row["attnjit_flat_graph_ms"] / row["attnjit_cascade_graph_ms"]
 
     if fi is not None:
         fcasc = fi.MultiLevelCascadeAttentionWrapper(2, ws_fi(), "NHD")
         fcasc.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
-        row["flashinfer_cascade_ms"] = time_ms(lambda: fcasc.run(q, cache))
+        both("flashinfer_cascade", lambda: fcasc.run(q, cache))
         row["max_diff_vs_flashinfer_cascade"] = (out_casc.float() - fcasc.run(q, cache).float()).abs().max().item()
         fflat = fi.BatchDecodeWithPagedKVCacheWrapper(ws_fi(), "NHD", use_tensor_cores=True)
         fflat.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=DT, kv_data_type=DT)
         fout = torch.empty_like(q)
-        row["flashinfer_flat_ms"] = time_ms(lambda: fflat.run(q, cache, out=fout))
+        both("flashinfer_flat", lambda: fflat.run(q, cache, out=fout))
         row["attnjit_cascade_vs_flashinfer_cascade"] = row["flashinfer_cascade_ms"] / row["attnjit_cascade_ms"]
+        if "flashinfer_cascade_graph_ms" in row and "attnjit_cascade_graph_ms" in row:
+            row["attnjit_cascade_vs_flashinfer_cascade_graph"] = (row["flashinfer_cascade_graph_ms"] /
+                                                                  row["attnjit_cascade_graph_ms"])
     results.append(row)
-    del cache
-    torch.cuda.empty_cache()
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | attnjit flat | attnjit cascade | speed-up (>= 3x) | FlashInfer cascade | FlashInfer flat | "
-             "attnjit cascade vs FlashInfer cascade |", "|---|---|---|---|---|---|---|"]
+    lines = ["| workload | timing | attnjit flat | attnjit cascade | speed-up (>= 3x) | FlashInfer cascade | "
+             "FlashInfer flat | attnjit cascade vs FlashInfer cascade |", "|---|---|---|---|---|---|---|---|"]
     ms = lambda r, k: f"{r[k]:.3f} ms" if k in r else "-"  # noqa: E731
+    x = lambda r, k: f"{r[k]:.2f}x" if k in r else "-"  # noqa: E731
     for r in rows:
-        vs = f"{r['attnjit_cascade_vs_flashinfer_cascade']:.2f}x" if "attnjit_cascade_vs_flashinfer_cascade" in r \
-            else "-"
-        lines.append(f"| {r['shape']} | {ms(r, 'attnjit_flat_ms')} | {ms(r, 'attnjit_cascade_ms')} | "
-                     f"{r['attnjit_speedup']:.2f}x | {ms(r, 'flashinfer_cascade_ms')} | {ms(r, 'flashinfer_flat_ms')} | "
-                     f"{vs} |")
+        for how, g in (("eager", ""), ("graph", "_graph")):
+            lines.append(f"| {r['shape']} | {how} | {ms(r, 'attnjit_flat' + g + '_ms')} | "
+                         f"{ms(r, 'attnjit_cascade' + g + '_ms')} | {x(r, 'attnjit' + g + '_speedup')} | "
+                         f"{ms(r, 'flashinfer_cascade' + g + '_ms')} | {ms(r, 'flashinfer_flat' + g + '_ms')} | "
+                         f"{x(r, 'attnjit_cascade_vs_flashinfer_cascade' + g)} |")
+        if "attnjit_level0_graph_ms" in r:
+            lines.append(f"\nattnjit cascade by part (graph): level 0 {ms(r, 'attnjit_level0_graph_ms')}, level 1 "
+                         f"{ms(r, 'attnjit_level1_graph_ms')}, merge {ms(r, 'attnjit_merge_graph_ms')}")
     return "\n".join(lines)

@@ -308,6 +308,10 @@ def _info(args) -> dict:
     info["cache"] = {"root": str(cache.root), "writable": cache.root_writable(),
                      "layers": [str(p) for p in cache.layers], "stats": cache.stats()}
     info["strict"] = not knobs.JIT.get()
+    from .ops import scheduler
+
+    info["compiled_scheduler"] = {"built": scheduler._cplan is not None,
+                                  "path": getattr(scheduler._cplan, "__file__", None)}
     info["settings"] = [k.describe() for k in knobs.ALL]
     return info
 
@@ -336,6 +340,8 @@ def cmd_info(args) -> int:
         print(f"  {base}: {st['entries']} entries, {st['bytes'] / 1024:.1f} KiB"
               + ("" if st["exists"] else " (absent)"))
     print(f"strict mode (ATTNJIT_JIT=0): {'on' if info['strict'] else 'off'}")
+    cs = info["compiled_scheduler"]
+    print(f"compiled scheduler (attnjit._cplan): {cs['path'] if cs['built'] else 'not built (plans in Python)'}")
     print("settings (value, where it comes from):")
     for k in info["settings"]:
         value = k["value"] if "error" not in k else f"INVALID ({k['error']})"

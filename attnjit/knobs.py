@@ -122,9 +122,14 @@ NUM_SMS: Knob[int | None] = Knob(
     "ATTNJIT_NUM_SMS", None, _positive_int,
     "SM count the split-KV scheduler plans for when no GPU is present (default 132, an H100/H200)")
 
+NATIVE: Knob[bool] = Knob(
+    "ATTNJIT_NATIVE", True, _bool,
+    "1 (default): plan with the compiled scheduler (attnjit._cplan) where it was built; 0: the Python one (same "
+    "work lists)")
+
 PACKAGES: Knob[bool] = Knob(
     "ATTNJIT_PACKAGES", True, _bool,
     "1 (default): also search the layers of installed kernel packages (attnjit pack wheels); 0: ignore them")
 
 ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, PACKAGES, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE,
-                         JOBS, NUM_SMS)
+                         JOBS, NUM_SMS, NATIVE)

@@ -53,6 +53,10 @@ mkdir -p "$ATTNJIT_CACHE_DIR" && chmod -R go-w "$ATTNJIT_CACHE_DIR" && chmod 700
 summary=()
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+# the compiled scheduler for this machine's Python (the checkout runs from PYTHONPATH, not a pip install): plan()
+# uses it where it builds, else plans in Python (the same work lists)
+python3 setup.py -q build_ext --inplace >"$OUT/cplan-build.txt" 2>&1
+summary+=("compiled scheduler: $(python3 -c 'from attnjit.ops import scheduler as s; print("built" if s._cplan else "not built")' 2>&1 | tail -1)")
 python3 -m attnjit.cli info >>"$OUT/gpu.txt" 2>&1
 before=$(ls "$ATTNJIT_CACHE_DIR"/?? 2>/dev/null | wc -l)
 t0=$(date +%s)

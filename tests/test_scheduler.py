@@ -41,7 +41,21 @@ def _same(new: scheduler.WorkPlan, ref: old.WorkPlan) -> None:
         (ref.num_groups, ref.chunk, ref.num_slots, ref.split_requests, ref.slots_target)
 
 
-PATHS = {"auto": None, "loop": (10 ** 9, 10 ** 9), "arrays": (-1, -1)}  # (SMALL_BATCH, SMALL_ITEMS)
+# (SMALL_BATCH, SMALL_ITEMS) of the Python paths; "native": the compiled scheduler (attnjit._cplan)
+PATHS = {"auto": None, "loop": (10 ** 9, 10 ** 9), "arrays": (-1, -1), "native": None}
+
+
+def use_path(path: str, monkeypatch) -> None:
+    """Plan through one path: the compiled scheduler (which must be built here), or Python with it turned off."""
+    if path == "native":
+        if scheduler._cplan is None:
+            pytest.skip("attnjit._cplan is not built here (no C compiler when attnjit was installed)")
+        monkeypatch.setenv("ATTNJIT_NATIVE", "1")
+        return
+    monkeypatch.setenv("ATTNJIT_NATIVE", "0")
+    if PATHS.get(path):
+        monkeypatch.setattr(scheduler, "SMALL_BATCH", PATHS[path][0])
+        monkeypatch.setattr(scheduler, "SMALL_ITEMS", PATHS[path][1])
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -49,10 +63,8 @@ PATHS = {"auto": None, "loop": (10 ** 9, 10 ** 9), "arrays": (-1, -1)}  # (SMALL
 def test_the_vectorized_scheduler_plans_what_the_loop_planned(part, path, monkeypatch):
     """1,500 random batches per path (empty requests, decode rows, long histories; auto, fixed and no split;
     workspaces from roomy to too small) over every tile the decode and prefill modules hold; the loop and the array
-    paths each forced, and the size-based choice."""
-    if PATHS[path]:
-        monkeypatch.setattr(scheduler, "SMALL_BATCH", PATHS[path][0])
-        monkeypatch.setattr(scheduler, "SMALL_ITEMS", PATHS[path][1])
+    paths each forced, the size-based choice, and the compiled scheduler."""
+    use_path(path, monkeypatch)
     rng = random.Random(1000 + part)
     outcomes = {"same": 0, "both_raise": 0, "split": 0}
     for _ in range(750):
@@ -85,7 +97,7 @@ def test_the_vectorized_scheduler_plans_what_the_loop_planned(part, path, monkey
         outcomes["same"] += 1
         outcomes["split"] += ref.chunk is not None
     assert outcomes["same"] > 600 and outcomes["split"] > 100 and outcomes["both_raise"] > 5, outcomes
-    if path == "loop":
+    if path in ("loop", "native"):
         with pytest.raises(ValueError, match="would need 2000000 work items"):  # the count is checked first here too
             scheduler.plan_work(qo_lens=[1], kv_lens=[2000000 * 64], qo_offsets=[0], kv_bases=[0], group=1,
                                 tile=next(t for t in TILES if t.cta_kv == 64), causal=False, num_kv_heads=1,
@@ -121,10 +133,13 @@ KINDS = {"paged": BatchPrefillWithPagedKVCacheWrapper, "decode": BatchDecodeWith
          "ragged": BatchPrefillWithRaggedKVCacheWrapper}
 
 
+@pytest.mark.parametrize("path", ["auto", "native"])
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_plan_records_equal_the_loop_planners_on_random_batches(kind):
-    """1,200 random plans through plan() (host metadata, strided views among them): the work list equals the loop
-    version's, fed lengths computed independently (reference.kv_lengths) with the tile and slots plan() chose."""
+def test_plan_records_equal_the_loop_planners_on_random_batches(kind, path, monkeypatch):
+    """1,200 random plans through plan() (host metadata, strided views among them), in Python and through the
+    compiled scheduler: the work list equals the loop version's, fed lengths computed independently
+    (reference.kv_lengths) with the tile and slots plan() chose."""
+    use_path(path, monkeypatch)
     rng = random.Random({"paged": 1, "decode": 2, "ragged": 3}[kind])
     ws = torch.empty(1 << 30, dtype=torch.uint8)  # never touched by a CPU plan
     checked = too_big = 0
@@ -184,14 +199,12 @@ def _plan(w, kind, qo, kv, qo_indptr, hd, ps, causal, opts) -> list[int]:
     return indptr[:-1]
 
 
-@pytest.mark.parametrize("path", ["auto", "arrays"])
+@pytest.mark.parametrize("path", ["auto", "arrays", "native"])
 def test_split_batches_of_one_q_tile_per_request_plan_what_the_loop_planned(path, monkeypatch):
     """The array path's shortcut for split batches whose requests are each one q tile (split decode; short prefill
     rows): the old scheduler's records on 1,500 random such batches (empty histories, ties, fixed and auto split,
-    small workspaces)."""
-    if path == "arrays":
-        monkeypatch.setattr(scheduler, "SMALL_BATCH", -1)
-        monkeypatch.setattr(scheduler, "SMALL_ITEMS", -1)
+    small workspaces), and the compiled scheduler's."""
+    use_path(path, monkeypatch)
     rng = random.Random(77)
     splits = 0
     for _ in range(1500):

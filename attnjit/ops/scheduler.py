@@ -16,15 +16,25 @@ share its K/V in L2, and the tail of the list is still the cheapest items.
 Large batches are built with array operations over all items at once (plan() runs every step, and a loop costs
 microseconds per item); small ones by a loop, which is cheaper than numpy's per-call cost there.
 tests/test_scheduler.py holds the loop-only version this replaced and checks that both paths give its records on
-thousands of random plans.
+thousands of random plans. Where the optional C accelerator was built (``attnjit._cplan``, setup.py), it computes the
+same work list in one call instead (tests/test_native_plan.py holds it to this module's records); ATTNJIT_NATIVE=0
+turns it off, and a plan it refuses is planned here again, for the error's message.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
+
+from .. import knobs
+
+try:  # the optional compiled scheduler (attnjit/native/cplan.c)
+    from .. import _cplan
+except ImportError:  # not built here (no C compiler at install time): plan in Python
+    _cplan = None
 
 MIN_CHUNK = 256           # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
 MAX_WORK_ITEMS = 1 << 20  # work records per plan: counted before the list is built
@@ -140,6 +150,12 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     cta_q = tile.cta_q
     if fixed_chunk is not None and fixed_chunk < 1:
         raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
+    if knobs.NATIVE.get() and _cplan is not None:  # (the knob is read, and checked, either way)
+        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,
+                            num_kv_heads=num_kv_heads, slots=slots, max_slots=max_slots, allow_split=allow_split,
+                            fixed_chunk=fixed_chunk)
+        if plan is not None:
+            return plan
     small = len(qo_lens) <= SMALL_BATCH
     if small:
         q, k = _list(qo_lens), _list(kv_lens)
@@ -166,6 +182,35 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     return _plan_arrays(plan, q, k, tiles, np.asarray(qo_offsets, dtype=np.int64),
                         np.asarray(kv_bases, dtype=np.int64), chunk=chunk, group=group, cta_q=cta_q, causal=causal,
                         max_slots=max_slots, fixed_chunk=fixed_chunk)
+
+
+_OUT = threading.local()  # each thread's record buffer for the compiled scheduler (grown as plans need)
+
+
+def _i64(x) -> np.ndarray:
+    return x if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.flags.c_contiguous else \
+        np.ascontiguousarray(x, dtype=np.int64)
+
+
+def _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, *, group: int, tile: Any, causal: bool, num_kv_heads: int,
+                 slots: int, max_slots: int, allow_split: bool, fixed_chunk: int | None) -> WorkPlan | None:
+    """plan_work through attnjit._cplan, or None where it refuses the plan (the Python path then raises the error)."""
+    args = (_i64(qo_lens), _i64(kv_lens), _i64(qo_offsets), _i64(kv_bases))
+    out = getattr(_OUT, "buf", None)
+    if out is None:
+        out = _OUT.buf = np.empty((1024, len(RECORD_FIELDS)), dtype=np.int32)
+    rest = (group, tile.cta_q, tile.cta_kv, causal, num_kv_heads, slots, max_slots, allow_split,
+            -1 if fixed_chunk is None else fixed_chunk, MAX_WORK_ITEMS)
+    status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
+    if status == 3:  # more records than the buffer holds
+        out = _OUT.buf = np.empty((max(count, 2 * len(out)), len(RECORD_FIELDS)), dtype=np.int32)
+        status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
+    if status:
+        return None
+    plan = WorkPlan(tile=tile, slots_target=slots, num_groups=groups, chunk=None if chunk < 0 else chunk,
+                    num_slots=used, split_requests=split)
+    plan.records = out[:count].copy() if count else _EMPTY
+    return plan
 
 
 def _plan_loop(plan: WorkPlan, q: list[int], k: list[int], tiles: list[int], n: list[int], qo_offsets: list[int],

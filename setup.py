@@ -7,4 +7,4 @@ then plans in Python, with the same results (attnjit/ops/scheduler.py).
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("attnjit._cplan", ["attnjit/native/cplan.c"], optional=True,
-                             extra_compile_args=["-O2", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"])])
+                             extra_compile_args=["-O3", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"])])

@@ -159,3 +159,76 @@ def test_attnjit_native_0_plans_in_python(monkeypatch):
     monkeypatch.setenv("ATTNJIT_NATIVE", "maybe")
     with pytest.raises(ValueError, match="ATTNJIT_NATIVE='maybe' is invalid"):
         scheduler.plan_work(**kw)
+
+
+def _random_table(rng: random.Random):
+    """A host page table, valid or broken in one of the ways read_paged refuses, some as strided views."""
+    import torch
+
+    batch = rng.choice([0, 1, 3, rng.randint(1, 50), rng.randint(50, 600)])
+    ps = rng.choice([1, 3, 16, 528])
+    pages = [rng.choice([0, 1, 2, rng.randint(1, 40)]) for _ in range(batch)]
+    indptr = [0]
+    for n in pages:
+        indptr.append(indptr[-1] + n)
+    last = [rng.randint(1, ps) if n else 0 for n in pages]
+    ids = [rng.randint(0, 10 ** 6) for _ in range(indptr[-1] + rng.choice([0, 0, 5]))]
+    fault = rng.choice([None] * 6 + ["start", "decreasing", "last", "last0", "short", "negative", "huge"])
+    if fault == "start" and indptr:
+        indptr = [x + 1 for x in indptr]
+    elif fault == "decreasing" and batch > 1:
+        i = rng.randint(1, batch - 1)
+        indptr[i] = indptr[i + 1] + 1
+    elif fault == "last" and batch:
+        last[rng.randrange(batch)] = rng.choice([-1, ps + 1, 2 ** 31 - 1])
+    elif fault == "last0" and 0 in pages:
+        last[pages.index(0)] = 1
+    elif fault == "short" and ids:
+        ids = ids[:-rng.randint(1, len(ids))] if indptr[-1] else ids
+    elif fault == "negative" and indptr[-1]:
+        ids[rng.randrange(indptr[-1])] = rng.choice([-1, -2 ** 31])
+    elif fault == "huge" and batch:
+        pages[0] = 1
+        indptr = [0] + [x + 2 ** 21 for x in indptr[1:]]
+        ids = [0] * (indptr[-1])
+        ps, last = 1024, [1024] * batch
+
+    def t(v):
+        x = torch.tensor(v, dtype=torch.int32)
+        if rng.random() < 0.3:  # the same values as a strided view
+            x = torch.stack([x, x], 1)[:, 0]
+        return x
+    return t(indptr), t(ids), t(last), ps
+
+
+@needs_native
+def test_compiled_and_python_page_table_readers_agree(monkeypatch):
+    """2,000 random host page tables, a third of them broken (indptr not from 0 or decreasing, a last_page_len
+    outside its rule, too few page ids, a negative page id, a KV length past 2^30), some as strided views: the same
+    Batch from both readers, or the same error."""
+    from attnjit.ops import planner
+
+    rng = random.Random(21)
+    names = ("indptr", "indices", "last_page_len")
+    seen = {"same": 0, "refused": 0}
+    for _ in range(2000):
+        indptr, ids, last, ps = _random_table(rng)
+        qo = np.arange(indptr.numel(), dtype=np.int64)
+        results = []
+        for native in ("0", "1"):
+            monkeypatch.setenv("ATTNJIT_NATIVE", native)
+            try:
+                results.append(planner.read_paged(names, qo, indptr, ids, last, page_size=ps))
+            except ValueError as exc:
+                results.append(str(exc))
+        py, c = results
+        if isinstance(py, str):
+            assert c == py
+            seen["refused"] += 1
+            continue
+        assert not isinstance(c, str), c
+        for f in ("qo_indptr", "qo_lens", "kv_lens", "kv_bases"):
+            assert np.array_equal(getattr(c, f), getattr(py, f)) and getattr(c, f).dtype == np.int64, f
+        assert (c.max_page, c.num_page_ids) == (py.max_page, py.num_page_ids)
+        seen["same"] += 1
+    assert seen["same"] > 1000 and seen["refused"] > 300, seen

@@ -1,4 +1,5 @@
-/* attnjit._cplan: the split-KV scheduler's work list (attnjit/ops/scheduler.py plan_work) in C.
+/* attnjit._cplan: the split-KV scheduler's work list (attnjit/ops/scheduler.py plan_work) and the host page
+ * table's checks (attnjit/ops/planner.py read_paged) in C.
  *
  * An optional accelerator: setup.py builds it where a C compiler is present, and attnjit/ops/scheduler.py uses it
  * when it imports (ATTNJIT_NATIVE=0 turns it off). The Python scheduler stays the definition: this file computes the
@@ -14,6 +15,15 @@
  * rows of 12 (RECORD_FIELDS); fixed_chunk < 0: none. status 0: out[:count] holds the records; 1: more than
  * max_items items; 2: more than max_slots partial-state slots; 3: out holds fewer than count rows (nothing
  * written); 4: out of memory. chunk is -1 where nothing is split.
+ *
+ *   read_paged(indptr, last_page_len, indices, page_size, max_kv_len, kv_lens, kv_bases)
+ *     -> (status, used, max_page)
+ *
+ * indptr [B+1], last_page_len [B], indices: int32 buffers (strided views too); kv_lens, kv_bases: writable
+ * contiguous int64 [B], filled with each request's KV length and first page-table entry. status 0: valid, used =
+ * indptr[B], max_page the largest of indices[:used] (-1 for none); otherwise the first rule broken (1 indptr[0] != 0
+ * or decreasing, 2 indptr[B] > len(indices), 3 a last_page_len outside 1..page_size (0 for a request without
+ * pages), 4 a KV length above max_kv_len, 5 a negative page id), and read_paged in Python raises its message.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -275,8 +285,121 @@ fail_q:
   return NULL;
 }
 
+static int int32_view(PyObject *obj, Py_buffer *view, const char *name) {
+  if (PyObject_GetBuffer(obj, view, PyBUF_STRIDED_RO | PyBUF_FORMAT) < 0) return -1;
+  const char *f = view->format ? view->format : "B";
+  if (view->ndim != 1 || view->itemsize != 4 || !(f[0] == 'i' || (f[0] == '<' && f[1] == 'i'))) {
+    PyErr_Format(PyExc_TypeError, "_cplan.read_paged: %s must be a 1-D int32 buffer", name);
+    PyBuffer_Release(view);
+    return -1;
+  }
+  return 0;
+}
+
+/* min and max of v[0..n), n >= 1: independent lanes the compiler vectorizes (a page table holds ~10^5 ids) */
+static void range32(const int32_t *v, int64_t n, int32_t *lo_out, int32_t *hi_out) {
+  enum { L = 16 };
+  int32_t lo[L], hi[L];
+  for (int k = 0; k < L; ++k) lo[k] = hi[k] = v[0];
+  int64_t j = 0;
+  for (; j + L <= n; j += L)
+    for (int k = 0; k < L; ++k) {
+      lo[k] = v[j + k] < lo[k] ? v[j + k] : lo[k];
+      hi[k] = v[j + k] > hi[k] ? v[j + k] : hi[k];
+    }
+  for (; j < n; ++j) {
+    lo[0] = v[j] < lo[0] ? v[j] : lo[0];
+    hi[0] = v[j] > hi[0] ? v[j] : hi[0];
+  }
+  for (int k = 1; k < L; ++k) {
+    lo[0] = lo[k] < lo[0] ? lo[k] : lo[0];
+    hi[0] = hi[k] > hi[0] ? hi[k] : hi[0];
+  }
+  *lo_out = lo[0];
+  *hi_out = hi[0];
+}
+
+#define AT(view, i) (*(const int32_t *)((const char *)(view).buf + (i) * (view).strides[0]))
+
+static PyObject *py_read_paged(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *oind, *olast, *oids, *olens, *obases;
+  long long page_size, max_kv_len;
+  if (!PyArg_ParseTuple(args, "OOOLLOO", &oind, &olast, &oids, &page_size, &max_kv_len, &olens, &obases)) return NULL;
+  Py_buffer ind, last, ids, lens, bases;
+  if (int32_view(oind, &ind, "indptr") < 0) return NULL;
+  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
+  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
+  const Py_ssize_t b = ind.shape[0] - 1;
+  if (b < 0 || last.shape[0] != b) {
+    PyErr_SetString(PyExc_ValueError, "_cplan.read_paged: indptr must have len(last_page_len) + 1 >= 1 entries");
+    goto f_ids;
+  }
+  if (int64_buffer(olens, &lens, "kv_lens", b) < 0) goto f_ids;
+  if (int64_buffer(obases, &bases, "kv_bases", b) < 0) goto f_lens;
+  if (lens.readonly || bases.readonly) {
+    PyErr_SetString(PyExc_TypeError, "_cplan.read_paged: kv_lens and kv_bases must be writable");
+    goto f_bases;
+  }
+  int64_t status = 0, used = 0, max_page = -1;
+  Py_BEGIN_ALLOW_THREADS
+  int64_t *kv = (int64_t *)lens.buf, *base = (int64_t *)bases.buf;
+  if (AT(ind, 0) != 0) status = 1;
+  for (Py_ssize_t i = 0; !status && i < b; ++i) {
+    const int64_t lo = AT(ind, i), hi = AT(ind, i + 1), l = AT(last, i), pages = hi - lo;
+    if (pages < 0) {
+      status = 1;
+    } else if (pages ? (l < 1 || l > page_size) : l != 0) {
+      status = 3;
+    } else {
+      kv[i] = pages ? page_size * (pages - 1) + l : 0;
+      base[i] = lo;
+      if (kv[i] > max_kv_len) status = 4;
+    }
+  }
+  /* the Python reader's order: indptr, then the entries it needs, then the lengths, then the page ids */
+  if (status != 1) {
+    used = AT(ind, b);
+    if (used > ids.shape[0]) status = 2;
+  }
+  if (!status && used > 0) {
+    int32_t lo, hi;
+    if (ids.strides[0] == 4)
+      range32((const int32_t *)ids.buf, used, &lo, &hi);
+    else {
+      lo = hi = AT(ids, 0);
+      for (int64_t j = 1; j < used; ++j) {
+        const int32_t v = AT(ids, j);
+        lo = v < lo ? v : lo;
+        hi = v > hi ? v : hi;
+      }
+    }
+    if (lo < 0) status = 5;
+    max_page = hi;
+  }
+  Py_END_ALLOW_THREADS
+  PyBuffer_Release(&bases);
+  PyBuffer_Release(&lens);
+  PyBuffer_Release(&ids);
+  PyBuffer_Release(&last);
+  PyBuffer_Release(&ind);
+  return Py_BuildValue("(LLL)", (long long)status, (long long)used, (long long)max_page);
+f_bases:
+  PyBuffer_Release(&bases);
+f_lens:
+  PyBuffer_Release(&lens);
+f_ids:
+  PyBuffer_Release(&ids);
+f_last:
+  PyBuffer_Release(&last);
+f_ind:
+  PyBuffer_Release(&ind);
+  return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"plan_work", py_plan_work, METH_VARARGS, "The split-KV work list (see attnjit/native/cplan.c)."},
+    {"read_paged", py_read_paged, METH_VARARGS, "The host page table's checks and lengths (see cplan.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import knobs
 from ..specs import MAX_GROUP_SIZE
 from ._common import KV_DTYPES, as_dtype, check_head_dim, check_metadata, check_page_size
-from .scheduler import MAX_WORK_ITEMS
+from .scheduler import MAX_WORK_ITEMS, _cplan
 
 MAX_HEADS = 1024
 MAX_QO_ROWS = 1 << 24
@@ -386,7 +387,16 @@ def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor
                last_page_len: torch.Tensor, *, page_size: int, page_range=None) -> Batch:
     """A page table (indptr [B+1] and last_page_len [B] on the host, indices anywhere; all checked by check_meta)
     and the query rows qo [B+1] -> the Batch. ``page_range``: device page ids' (min, max) from
-    device_page_range, on the host."""
+    device_page_range, on the host. Host page ids are read by the compiled reader where it is built (the same
+    checks; a table it refuses is read again here, for the message)."""
+    b = indptr.numel() - 1
+    if page_range is None and indices.device.type == "cpu" and b >= 0 and knobs.NATIVE.get() and _cplan is not None:
+        kv_lens, kv_bases = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
+        status, used, max_page = _cplan.read_paged(indptr.numpy(), last_page_len.numpy(), indices.numpy(), page_size,
+                                                   MAX_KV_LEN, kv_lens, kv_bases)
+        if not status:  # else a rule is broken: the reader below says which, in its words
+            return Batch(qo_indptr=qo, qo_lens=qo[1:] - qo[:-1], kv_lens=kv_lens, kv_bases=kv_bases,
+                         max_page=max_page, num_page_ids=used)
     n_indptr, n_indices, _ = names
     kvp = _values(indptr)
     check_indptr(n_indptr, kvp)

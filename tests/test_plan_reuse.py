@@ -196,6 +196,39 @@ def test_a_replan_on_one_wrapper_is_a_fresh_plan(kind, monkeypatch):
     assert len(w._prepared) >= len(seen) > 4   # several keys were memoized side by side
 
 
+def test_the_checked_scalar_arguments_are_reused_only_for_the_same_values_and_types(monkeypatch):
+    """plan()'s checks of its scalar arguments run once for a run of plans with the same ones (an engine's decode
+    steps): another value, or the same value as another type (1 for True, 128.0 for 128), is checked afresh, and a
+    bad argument raises every time."""
+    from attnjit.ops import planner as P
+    from tests.plan_support import WRAPPERS, workspace
+
+    calls = []
+    real = P.plan_options
+    monkeypatch.setattr(P, "plan_options", lambda **kw: calls.append(kw) or real(**kw))
+    rng = __import__("random").Random(5)
+    w = WRAPPERS["paged"][0](workspace())
+    base = dict(num_qo_heads=32, num_kv_heads=8, q_data_type=torch.bfloat16, causal=True)
+    for _ in range(3):
+        w.plan(**_args("paged", _batch(rng, "paged"), base))
+    assert len(calls) == 1
+    first = _state(w._plan)
+    with pytest.raises(TypeError, match="causal must be True or False"):  # 1 == True, but it is checked again
+        w.plan(**_args("paged", _batch(rng, "paged"), dict(base, causal=1)))
+    w.plan(**_args("paged", _batch(rng, "paged"), dict(base, sm_scale=0.1)))
+    assert len(calls) == 3
+    with pytest.raises(TypeError, match="head_dim_qk"):
+        w.plan(**dict(_args("paged", _batch(rng, "paged"), base), head_dim_qk=128.0))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sm_scale"):
+            w.plan(**_args("paged", _batch(rng, "paged"), dict(base, sm_scale=float("nan"))))
+    b = _batch(__import__("random").Random(99), "paged")
+    w.plan(**_args("paged", b, base))
+    fresh = WRAPPERS["paged"][0](workspace())
+    fresh.plan(**_args("paged", b, base))
+    assert _state(w._plan) == _state(fresh._plan) and first[0] == w._plan.spec
+
+
 # --- device metadata: one device-to-host copy, the page-id range reduced where the ids lie -----------------------
 
 def test_the_masked_page_range_is_the_range_of_the_used_ids():

@@ -117,7 +117,7 @@ def plan_dtypes(q_data_type: Any, kv_data_type: Any, o_data_type: Any, *,
     return q, kv, o
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class PlanOptions:
     """plan()'s scalar options, checked: what the binding, the scheduler and the launch use."""
 

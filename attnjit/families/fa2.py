@@ -95,6 +95,7 @@ class Tile:
         return f"attnjit_attention_{self.name}"
 
 
+@functools.lru_cache(maxsize=1024)  # a frozen Tile of three ints: plan() asks every step
 def narrow_tile(head_dim: int, page_size: int, group_size: int) -> Tile:
     """Few packed rows (decode; prefill of 1-2 tokens): warps split the KV tile, one row block per group."""
     rows = -(-group_size // 16) * 16
@@ -107,6 +108,7 @@ def narrow_tile(head_dim: int, page_size: int, group_size: int) -> Tile:
                 min_blocks=min_blocks)
 
 
+@functools.lru_cache(maxsize=1024)  # a frozen Tile of three ints: plan() asks every step
 def deep_decode_tile(head_dim: int, page_size: int, group_size: int) -> Tile | None:
     """The decode tile for batches too small to fill the GPU (split-KV): one stage more and one CTA per SM, so each
     SM keeps more KV bytes in flight with fewer CTAs (measured on the H200 at head_dim 128: 1x32768 2.97 -> 3.24
@@ -117,6 +119,7 @@ def deep_decode_tile(head_dim: int, page_size: int, group_size: int) -> Tile | N
     return replace(narrow, stages=narrow.stages + 1, min_blocks=1, tag="deep")
 
 
+@functools.lru_cache(maxsize=1024)  # a frozen Tile of three ints: plan() asks every step
 def wide_tile(head_dim: int, page_size: int) -> Tile:
     """Many packed rows (prefill): warps split the q rows, each warp sweeps the whole KV tile."""
     if head_dim == 256:

@@ -114,6 +114,9 @@ def test_the_compiled_scheduler_checks_its_buffers():
         scheduler._cplan.plan_work(q, q, q, q, np.empty((8, 11), dtype=np.int32), *rest)
     with pytest.raises(ValueError, match="must be positive"):
         scheduler._cplan.plan_work(q, q, q, q, out, 0, *rest[1:])
+    # lengths plan() never passes (negative, or past 2^31): refused (5), for the Python path
+    assert scheduler._cplan.plan_work(q, -q, q, q, out, *rest)[0] == 5
+    assert scheduler._cplan.plan_work(q * (1 << 40), q, q, q, out, *rest)[0] == 5
     # too small an output buffer: the counts come back, nothing is written
     small = np.full((2, 12), -7, dtype=np.int32)
     assert scheduler._cplan.plan_work(q, q, q, q, small, *rest)[:2] == (3, 4) and (small == -7).all()

@@ -14,7 +14,8 @@
  * qo_lens .. kv_bases: C-contiguous int64 buffers of the batch size; out: a writable C-contiguous int32 buffer of
  * rows of 12 (RECORD_FIELDS); fixed_chunk < 0: none. status 0: out[:count] holds the records; 1: more than
  * max_items items; 2: more than max_slots partial-state slots; 3: out holds fewer than count rows (nothing
- * written); 4: out of memory. chunk is -1 where nothing is split.
+ * written); 4: out of memory; 5: a negative length, or one past 2^31 (not from plan()). chunk is -1 where nothing
+ * is split.
  *
  *   read_paged(indptr, last_page_len, indices, page_size, max_kv_len, kv_lens, kv_bases)
  *     -> (status, used, max_page)
@@ -32,6 +33,7 @@
 #include <string.h>
 
 enum { FIELDS = 12, MIN_CHUNK = 256 };
+#define LIMIT (INT64_C(1) << 31) /* lengths past this are not plan()'s: 5 (plan in Python) */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; } /* a >= 0, b > 0 */
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -73,8 +75,9 @@ static void sort_desc(int64_t *idx, int64_t n, const int64_t *key, int64_t *tmp)
 static int64_t choose_chunk(int64_t n, const int64_t *tiles, const int64_t *q, const int64_t *k, int64_t cta_kv,
                             int64_t heads, int64_t slots, int64_t max_slots) {
   int64_t total = 0, max_kv = 0;
-  for (int64_t i = 0; i < n; ++i) total += tiles[i];
-  if (total * heads >= slots) return -1;
+  const int64_t fit = slots / heads; /* items * heads <= slots  <=>  items <= fit (no product to overflow) */
+  for (int64_t i = 0; i < n && total <= fit; ++i) total += tiles[i];
+  if (total * heads >= slots || total > fit) return -1;
   for (int64_t i = 0; i < n; ++i)
     if (tiles[i] && k[i] > max_kv) max_kv = k[i];
   const int64_t min_chunk = max64(MIN_CHUNK, 2 * cta_kv);
@@ -83,9 +86,9 @@ static int64_t choose_chunk(int64_t n, const int64_t *tiles, const int64_t *q, c
   while (lo < hi) { /* items(c) is non-increasing in c */
     const int64_t mid = (lo + hi) / 2, c = mid * cta_kv;
     int64_t items = 0;
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n && items <= fit; ++i)
       if (tiles[i] && k[i]) items += tiles[i] * cdiv(k[i], c);
-    if (items * heads <= slots)
+    if (items <= fit)
       hi = mid;
     else
       lo = mid + 1;
@@ -93,7 +96,7 @@ static int64_t choose_chunk(int64_t n, const int64_t *tiles, const int64_t *q, c
   int64_t chunk = lo * cta_kv;
   while (chunk < max_kv) {
     int64_t partial = 0;
-    for (int64_t i = 0; i < n; ++i)
+    for (int64_t i = 0; i < n && partial <= max_slots; ++i)
       if (tiles[i] && k[i] > chunk) partial += q[i] * cdiv(k[i], chunk);
     if (partial <= max_slots) break;
     chunk *= 2;
@@ -117,14 +120,23 @@ static Result plan(int64_t n, const int64_t *q, const int64_t *k, const int64_t 
   }
   int64_t *tiles = mem, *nch = mem + n, *slot0 = mem + 2 * n, *group0 = mem + 3 * n, *heaviest = mem + 4 * n;
   int64_t *order = mem + 5 * n, *tmp = mem + 6 * n;
-  for (int64_t i = 0; i < n; ++i) tiles[i] = q[i] > 0 ? cdiv(q[i] * group, cta_q) : 0;
+  for (int64_t i = 0; i < n; ++i) {
+    /* plan() passes validated lengths (< 2^31); anything else is left to the Python path. With that bound each
+     * term below is < 2^61, and every sum stops once past the bound it is compared with: none overflows */
+    if (q[i] < 0 || k[i] < 0 || q[i] > LIMIT || k[i] > LIMIT) {
+      r.status = 5;
+      free(mem);
+      return r;
+    }
+    tiles[i] = q[i] > 0 ? cdiv(q[i] * group, cta_q) : 0;
+  }
   int64_t chunk = -1;
   if (fixed_chunk >= 0)
     chunk = cdiv(fixed_chunk, cta_kv) * cta_kv;
   else if (allow_split)
     chunk = choose_chunk(n, tiles, q, k, cta_kv, heads, slots, max_slots);
   int64_t count = 0, slots_used = 0, groups = 0, split = 0, max_items_req = 0, active = 0;
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0; i < n && count <= max_items; ++i) {
     nch[i] = chunk >= 0 && k[i] > chunk ? cdiv(k[i], chunk) : 1;
     count += tiles[i] * nch[i];
   }
@@ -137,6 +149,7 @@ static Result plan(int64_t n, const int64_t *q, const int64_t *k, const int64_t 
     slot0[i] = group0[i] = -1;
     if (!tiles[i]) continue;
     if (nch[i] > 1) { /* a split request owns chunks x qo_len slots and one group per q tile */
+      if (slots_used > max_slots) continue; /* refused below; the numbering is not needed */
       slot0[i] = slots_used;
       group0[i] = groups;
       slots_used += nch[i] * q[i];

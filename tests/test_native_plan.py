@@ -238,3 +238,34 @@ def test_compiled_and_python_page_table_readers_agree(monkeypatch):
         assert (c.max_page, c.num_page_ids) == (py.max_page, py.num_page_ids)
         seen["same"] += 1
     assert seen["same"] > 1000 and seen["refused"] > 300, seen
+
+
+@needs_native
+def test_the_compiled_functions_survive_garbage():
+    """Arbitrary int64 lengths and int32 page tables (extremes included) straight into attnjit._cplan: each call
+    returns (a refusal or a result within its buffers); none crashes or writes past them."""
+    rng = np.random.default_rng(4)
+    extremes = np.array([0, 1, -1, 2 ** 31 - 1, -2 ** 31, 2 ** 62, -2 ** 63, 2 ** 63 - 1], dtype=np.int64)
+    for _ in range(3000):
+        n = int(rng.integers(0, 40))
+        arrays = [rng.choice(extremes, n) if rng.random() < 0.5 else rng.integers(-5, 5000, n) for _ in range(4)]
+        out = np.full((int(rng.integers(1, 64)) + 1, 12), -7, dtype=np.int32)
+        guard = out[-1].copy()
+        view = out[:-1]
+        params = [int(rng.choice([1, 4, 64])), int(rng.choice([16, 64, 128])), int(rng.choice([16, 64, 128])),
+                  bool(rng.random() < 0.5), int(rng.choice([1, 8, 2 ** 31 - 1])), int(rng.choice([1, 132, 2 ** 62])),
+                  int(rng.choice([0, 100, 2 ** 62])), bool(rng.random() < 0.8), int(rng.choice([-1, 1, 2 ** 40])),
+                  1 << 20]
+        status, count, *_ = scheduler._cplan.plan_work(*[a.astype(np.int64) for a in arrays], view, *params)
+        assert status in (0, 1, 2, 3, 5) and (status != 0 or 0 <= count <= len(view))
+        assert (out[-1] == guard).all()
+    for _ in range(3000):
+        b = int(rng.integers(0, 30))
+        ind = rng.integers(-2 ** 31, 2 ** 31, b + 1, dtype=np.int64).astype(np.int32) if rng.random() < 0.5 else \
+            np.cumsum(rng.integers(0, 5, b + 1)).astype(np.int32) - 1
+        last = rng.integers(-2 ** 31, 2 ** 31, b, dtype=np.int64).astype(np.int32)
+        ids = rng.integers(-2 ** 31, 2 ** 31, int(rng.integers(0, 100)), dtype=np.int64).astype(np.int32)
+        lens, bases = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
+        status, used, max_page = scheduler._cplan.read_paged(ind, last, ids, int(rng.choice([1, 16, 1024])),
+                                                             1 << 30, lens, bases)
+        assert status in (0, 1, 2, 3, 4, 5) and (status != 0 or 0 <= used <= len(ids))

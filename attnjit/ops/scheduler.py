@@ -187,21 +187,20 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
 _OUT = threading.local()  # each thread's record buffer for the compiled scheduler (grown as plans need)
 
 
-def _i64(x) -> np.ndarray:
-    return x if isinstance(x, np.ndarray) and x.dtype == np.int64 and x.flags.c_contiguous else \
-        np.ascontiguousarray(x, dtype=np.int64)
-
-
 def _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, *, group: int, tile: Any, causal: bool, num_kv_heads: int,
                  slots: int, max_slots: int, allow_split: bool, fixed_chunk: int | None) -> WorkPlan | None:
     """plan_work through attnjit._cplan, or None where it refuses the plan (the Python path then raises the error)."""
-    args = (_i64(qo_lens), _i64(kv_lens), _i64(qo_offsets), _i64(kv_bases))
     out = getattr(_OUT, "buf", None)
     if out is None:
         out = _OUT.buf = np.empty((1024, len(RECORD_FIELDS)), dtype=np.int32)
     rest = (group, tile.cta_q, tile.cta_kv, causal, num_kv_heads, slots, max_slots, allow_split,
             -1 if fixed_chunk is None else fixed_chunk, MAX_WORK_ITEMS)
-    status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
+    args = (qo_lens, kv_lens, qo_offsets, kv_bases)  # plan()'s: contiguous int64 arrays, taken as they are
+    try:
+        status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
+    except (TypeError, ValueError, BufferError):  # lists, views, other dtypes: converted once
+        args = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in args)
+        status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
     if status == 3:  # more records than the buffer holds
         out = _OUT.buf = np.empty((max(count, 2 * len(out)), len(RECORD_FIELDS)), dtype=np.int32)
         status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)

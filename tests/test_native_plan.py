@@ -269,3 +269,21 @@ def test_the_compiled_functions_survive_garbage():
         status, used, max_page = scheduler._cplan.read_paged(ind, last, ids, int(rng.choice([1, 16, 1024])),
                                                              1 << 30, lens, bases)
         assert status in (0, 1, 2, 3, 4, 5) and (status != 0 or 0 <= used <= len(ids))
+
+
+@needs_native
+def test_long_work_lists_get_their_own_array(monkeypatch):
+    """Past the thread's buffer (grown up to _KEEP_ROWS records) a work list is written into its own array: the same
+    records as Python's, and a later plan does not overwrite them."""
+    tile = next(t for t in TILES if t.cta_kv == 64)
+    kw = dict(qo_lens=np.ones(400, dtype=np.int64), kv_lens=np.full(400, 64 * 100, dtype=np.int64),
+              qo_offsets=np.arange(400, dtype=np.int64), kv_bases=np.arange(400, dtype=np.int64) * 100, group=4,
+              tile=tile, causal=False, num_kv_heads=8, slots=132, max_slots=10 ** 7, allow_split=True,
+              fixed_chunk=64)
+    want, _ = _python(kw, monkeypatch)
+    got = scheduler.plan_work(**kw)
+    assert len(got.records) == 40000 > scheduler._KEEP_ROWS
+    _same(got, want)
+    again = got.records.copy()
+    scheduler.plan_work(**dict(kw, kv_lens=np.full(400, 64 * 99, dtype=np.int64)))
+    assert np.array_equal(got.records, again)

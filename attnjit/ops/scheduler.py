@@ -185,6 +185,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
 
 
 _OUT = threading.local()  # each thread's record buffer for the compiled scheduler (grown as plans need)
+_KEEP_ROWS = 1 << 14      # ... up to this many records (768 KiB); a longer list is written into its own array
 
 
 def _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, *, group: int, tile: Any, causal: bool, num_kv_heads: int,
@@ -201,14 +202,19 @@ def _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, *, group: int, tile: An
     except (TypeError, ValueError, BufferError):  # lists, views, other dtypes: converted once
         args = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in args)
         status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
-    if status == 3:  # more records than the buffer holds
-        out = _OUT.buf = np.empty((max(count, 2 * len(out)), len(RECORD_FIELDS)), dtype=np.int32)
+    own = False  # out is this plan's own array (not the thread's buffer, which the next plan reuses)
+    if status == 3:  # more records than the buffer holds: grow it, up to _KEEP_ROWS; a larger list gets its own
+        own = count > _KEEP_ROWS
+        out = np.empty((count, len(RECORD_FIELDS)), dtype=np.int32) if own else \
+            np.empty((max(count, min(2 * len(out), _KEEP_ROWS)), len(RECORD_FIELDS)), dtype=np.int32)
+        if not own:
+            _OUT.buf = out
         status, count, chunk, groups, used, split = _cplan.plan_work(*args, out, *rest)
     if status:
         return None
     plan = WorkPlan(tile=tile, slots_target=slots, num_groups=groups, chunk=None if chunk < 0 else chunk,
                     num_slots=used, split_requests=split)
-    plan.records = out[:count].copy() if count else _EMPTY
+    plan.records = out if own else out[:count].copy() if count else _EMPTY
     return plan
 
 

@@ -16,6 +16,11 @@ windows). Plans are cached per shape and options, so a forward pass plans once p
 
 ``backend="reference"`` runs the same plumbing on attnjit.reference in float64 (any device, the CPU included): what
 the CPU tests use, as attnjit.models.backends does for the example model.
+
+Continuous batching (``generate_batch``, transformers' paged cache) is not served: as of transformers 5.24 it takes
+only "paged|eager", "sdpa" or an implementation whose name contains "flash"
+(``ContinuousBatchingManager.switch_to_cb_friendly_attn``), so it refuses a registered implementation; the example
+engine (attnjit.models) is attnjit's own continuous batching over a paged cache.
 """
 
 from __future__ import annotations

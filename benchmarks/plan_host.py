@@ -17,6 +17,9 @@ calls (the minimum is the figure to compare on a shared machine; the median show
 - FlashInfer's plan() with the same arguments where it is installed (the ratio attnjit / FlashInfer is the
   issue's target: <= 0.8).
 
+The JSON says whether attnjit planned with its compiled core (``compiled_scheduler``: attnjit._cplan built, and
+ATTNJIT_NATIVE not 0); ``ATTNJIT_NATIVE=0 python3 benchmarks/plan_host.py`` times the Python planner alone.
+
 On a machine without a GPU, plan() skips the upload and the module load (there is nothing to upload to): its figures
 are the host work only. The GPU host's figures are the ones the issue's table compares.
 """
@@ -281,7 +284,11 @@ def main() -> dict:
     merges = None if cuda else merge_rows()
     dispatch = dispatch_overhead(cuda, dev)
     print(json.dumps(dispatch), flush=True)
+    from attnjit import knobs
+    from attnjit.ops import scheduler
+
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu (no GPU: no upload, no module load)",
+           "compiled_scheduler": scheduler._cplan is not None and knobs.NATIVE.get(),
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
                       "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
            "upload": uploads, "merge": merges, "dispatch": dispatch}

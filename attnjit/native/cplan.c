@@ -258,10 +258,13 @@ static PyObject *py_plan_work(PyObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "OOOOOLLLpLLLpLL", &oq, &ok, &ooff, &obase, &oout, &group, &cta_q, &cta_kv, &causal,
                         &heads, &slots, &max_slots, &allow_split, &fixed_chunk, &max_items))
     return NULL;
-  if (group < 1 || cta_q < 1 || cta_kv < 1 || heads < 1) {
-    PyErr_SetString(PyExc_ValueError, "_cplan.plan_work: group, cta_q, cta_kv and num_kv_heads must be positive");
+  if (group < 1 || group > 4096 || cta_q < 1 || cta_q > 4096 || cta_kv < 1 || cta_kv > 4096 || heads < 1 ||
+      heads > (1 << 20) || slots < 0 || max_slots < 0) {
+    PyErr_SetString(PyExc_ValueError, "_cplan.plan_work: group, cta_q, cta_kv (1..4096), num_kv_heads (1..2^20) must "
+                                      "be positive and slots, max_slots not negative");
     return NULL;
   }
+  if (fixed_chunk > LIMIT) fixed_chunk = LIMIT; /* a chunk past every length: nothing splits, as in Python */
   Py_buffer bq, bk, boff, bbase, bout;
   if (int64_buffer(oq, &bq, "qo_lens", -1) < 0) return NULL;
   const Py_ssize_t n = bq.len / 8;

@@ -84,9 +84,8 @@ def _summary(insns: list[tuple[int, str, int]]) -> dict:
             "opcodes": dict(ops.most_common())}
 
 
-def analyze(sass: str) -> dict:
-    """The main loop and its softmax stretch, counted (see the module docstring)."""
-    ins = instructions(sass)
+def loop_bounds(ins: list[tuple[int, str, int]]) -> tuple[int, int, int, int]:
+    """(first, last, wait 1, wait 0): instruction indices of the overlapped main loop and of its two waits."""
     w1 = next((i for i, (_, t, _) in enumerate(ins) if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in t), None)
     if w1 is None:
         raise ValueError("no wgmma.wait_group 1 in the kernel: not the overlapped sm90 main loop (head_dim 256?)")
@@ -101,6 +100,13 @@ def analyze(sass: str) -> dict:
     if not loops:
         raise ValueError("no backward branch around the main loop's waits")
     first, last = min(loops, key=lambda r: r[1] - r[0])
+    return first, last, w1, w0
+
+
+def analyze(sass: str) -> dict:
+    """The main loop and its softmax stretch, counted (see the module docstring)."""
+    ins = instructions(sass)
+    first, last, w1, w0 = loop_bounds(ins)
     soft = ins[w1:w0 + 1]
     return {"loop": _summary(ins[first:last + 1]), "softmax": _summary(soft),
             "mufu_between_waits": sum(opcode(t) == "MUFU" and "EX2" in t for _, t, _ in soft),

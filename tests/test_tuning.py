@@ -26,7 +26,10 @@ GPU = tuning.gpu_id("sm_90a", 132)   # what plan() asks for on this machine (no 
 
 
 def test_tile_field_names_a_configuration_of_the_family():
-    assert families.tile_names(AttentionSpec(**PREFILL)) == ("kv128", "kv128q1", "kv64s3", "kv128t8")
+    # head_dim 128 over a 16-bit cache also has the three-consumer tile; other head dims and fp8 caches do not
+    assert families.tile_names(AttentionSpec(**PREFILL)) == ("kv128", "kv128q1", "kv64s3", "kv128t8", "q192kv64")
+    assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == ("kv128", "kv128q1", "kv64s3",
+                                                                                   "kv128t8")
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     spec = AttentionSpec(**PREFILL, tile="kv64s3")
     assert '"tile":"kv64s3"' in spec.canonical() and "tkv64s3" in spec.short_name()
@@ -45,12 +48,17 @@ def test_each_configuration_fits_and_matches_the_traits_formula():
     for name in sm90.CONFIGS:
         tile = sm90.tiles(AttentionSpec(**PREFILL, tile=name))[0]
         assert tile.smem <= 227 * 1024 and tile.threads == 384
+    for name in sm90.CONFIGS_3:
+        tile = sm90.tiles(AttentionSpec(**PREFILL, tile=name))[0]
+        assert tile.smem <= 227 * 1024 and tile.threads == 512 and tile.cta_q == 192
     from attnjit.generator import render
 
     src = render(AttentionSpec(**PREFILL, tile="kv64s3")).source
-    assert "Sm90Traits<T, TO, TKV, HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND,\n    64, 3, 2, 0>" in src
+    assert "Sm90Traits<T, TO, TKV, HEAD_DIM, GROUP, CAUSAL, PAGED, PAGE_SIZE, KV_HND,\n    64, 3, 2, 0, 2>" in src
     src = render(AttentionSpec(**PREFILL, tile="kv128t8")).source
-    assert "KV_HND,\n    128, 2, 2, 8>" in src and "attnjit_sm90_q128_kv128_s2q2_t8_ws" in src
+    assert "KV_HND,\n    128, 2, 2, 8, 2>" in src and "attnjit_sm90_q128_kv128_s2q2_t8_ws" in src
+    src = render(AttentionSpec(**PREFILL, tile="q192kv64")).source
+    assert "KV_HND,\n    64, 3, 2, 0, 3>" in src and "attnjit_sm90_q192_kv64_s3q2_ws" in src
 
 
 def _record(spec: AttentionSpec, tile: str, gpu: str = GPU) -> tuning.Record:

@@ -213,7 +213,8 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_R, name="ragged-fp8-e5m2-fp16-tiles", kv="e5m2", dtype=torch.float16, causal=False),
               replace(_P, name="paged-fp8-e4m3-p1-tiles", kv="e4m3", page_size=1, qo_lens=PREFILL_QO,
                       kv_lens=PREFILL_KV)]
-TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")]
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")] + \
+    [(c, "q192kv64") for c in TILE_CASES if c.kv is None and c.head_dim == 128]  # three consumers: 16-bit, d128
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [

@@ -202,9 +202,11 @@ struct Consumer {
     }
   }
 
-  // My turn at the tensor cores, and handing it to the other consumer.
-  __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::CONSUMER_THREADS); }
-  __device__ __forceinline__ void pass_turn() const { named_arrive(Tr::BAR_TURN + (wg ^ 1), Tr::CONSUMER_THREADS); }
+  // My turn at the tensor cores, and handing it to the next consumer (a ring of CONSUMERS).
+  __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::TURN_THREADS); }
+  __device__ __forceinline__ void pass_turn() const {
+    named_arrive(Tr::BAR_TURN + (Tr::CONSUMERS == 2 ? wg ^ 1 : (wg + 1) % Tr::CONSUMERS), Tr::TURN_THREADS);
+  }
 
   // Pipeline steps: a tile's K (or V) waited for, and its stage handed back once the wgmma reading it completed.
   __device__ __forceinline__ void wait_full(uint64_t* bar, uint32_t phase) {
@@ -358,7 +360,7 @@ struct Consumer {
     Ring<Tr::NUM_STAGES> kr, vr;
     Ring<Tr::Q_STAGES> qr;
     const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
-    if (wg == 1) pass_turn();  // the first consumer takes the first turn
+    if (wg == Tr::CONSUMERS - 1) pass_turn();  // the first consumer takes the first turn
     for_each_item(p, [&](int w, int head) {
       it.kv_head = head;
       // what steers the loops, broadcast from lane 0 (the values are the same in every lane): the compiler then

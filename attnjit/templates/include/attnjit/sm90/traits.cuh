@@ -9,7 +9,7 @@
 namespace attnjit {
 
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
-          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, typename VARIANT_ = NoVariant>
+          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
   using T = T_;      // q's type (the Q tile as it lands)
   using TKV = TKV_;  // the cache's element type: T, or fp8 (e4m3 / e5m2)
@@ -27,8 +27,9 @@ struct Sm90Traits {
   static constexpr bool PAGED = PAGED_;
   static constexpr int PAGE_SIZE = PAGE_SIZE_;
   static constexpr bool HND = HND_;
-  // one producer warpgroup (loads) and two consumer warpgroups (wgmma, softmax), 64 packed rows each
-  static constexpr int CONSUMERS = 2;
+  // one producer warpgroup (loads) and two (or three) consumer warpgroups (wgmma, softmax), 64 packed rows each;
+  // the consumers take turns at the tensor cores in a ring (0, 1, ..., 0)
+  static constexpr int CONSUMERS = CONSUMERS_;
   static constexpr int WG_ROWS = 64;                       // wgmma M
   static constexpr int CTA_Q = WG_ROWS * CONSUMERS;        // packed rows per work item
   static constexpr int CTA_KV = CTA_KV_;                   // kv tokens per tile
@@ -44,8 +45,10 @@ struct Sm90Traits {
   // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
   static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
   // (head_dim 256 over fp8: the producer's ring counters and in-place conversion need 32)
-  static constexpr int PRODUCER_REGS = HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : 56;
-  static constexpr int CONSUMER_REGS = HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : 224;
+  // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
+  static constexpr int PRODUCER_REGS = CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : 56;
+  static constexpr int CONSUMER_REGS = CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : 224;
+  static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
   // shared memory: Q_STAGES Q tiles, NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are
@@ -81,6 +84,9 @@ struct Sm90Traits {
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
   static_assert(Q_STAGES >= 1, "at least one Q tile");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && HEAD_DIM == 128 && !FP8_KV && CTA_KV <= 64),
+                "three consumers: head_dim 128, a 16-bit cache and 64-token K/V tiles (their registers: 160 each)");
+  static_assert(BAR_EPILOGUE + CONSUMERS <= 16, "named barriers 1..15");
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(sizeof(TKV_) == 2 ? std::is_same<TKV_, T_>::value : FP8_KV, "the cache holds q's type or fp8");

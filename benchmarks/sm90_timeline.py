@@ -34,6 +34,7 @@ from attnjit.specs import AttentionSpec  # noqa: E402
 
 MAX_REC = 256
 MAX_ITEMS = 64
+WGS = 3  # consumer warpgroups a CTA has room for in the records (two, or three for q192kv64)
 PHASES = ("K + turn + issue S", "rescale O + V + issue PV", "pass + wait S", "softmax", "wait PV", "pack P")
 ITEM_PHASES = ("wait Q (+ convert)", "main loop", "epilogue", "to the next item")
 
@@ -43,7 +44,7 @@ _STAMP = (_MEMBER + """
   __device__ __forceinline__ void tl(int k) {
     long long t = clock64();
     if ((threadIdx.x & 127) == 0 && tl_rec < %d)
-      reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_rec) * 8 +
+      reinterpret_cast<long long*>(it.p.tmp_o)[((static_cast<long long>(blockIdx.x) * %d + wg) * %d + tl_rec) * 8 +
                                                  k] = t;
   }
   int tl_item = 0;
@@ -51,11 +52,11 @@ _STAMP = (_MEMBER + """
     long long t = clock64();
     if ((threadIdx.x & 127) == 0 && tl_item < %d) {
       long long* at = reinterpret_cast<long long*>(it.p.tmp_o) + %s +
-                      ((static_cast<long long>(blockIdx.x) * 2 + wg) * %d + tl_item) * 8;
+                      ((static_cast<long long>(blockIdx.x) * %d + wg) * %d + tl_item) * 8;
       at[k] = t;
       if (k == 0) at[4] = it.num_tiles;
     }
-  }""" % (MAX_REC, MAX_REC, MAX_ITEMS, "ITEM_BASE", MAX_ITEMS))
+  }""" % (MAX_REC, WGS, MAX_REC, MAX_ITEMS, "ITEM_BASE", WGS, MAX_ITEMS))
 # the steady main loop (Consumer::mainloop) and where each stamp goes in it: after the statement, in this order
 _LOOP_HEAD = "    for (int j = 1; j < n; ++j) {\n"
 _AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, scale2);", "done_with_v(vr);",
@@ -103,7 +104,7 @@ def _stamped(render):
 
 
 SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is one per SM)
-ITEM_BASE = SMS_MAX * 2 * MAX_REC * 8  # int64s before the item records
+ITEM_BASE = SMS_MAX * WGS * MAX_REC * 8  # int64s before the item records
 
 
 def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128) -> AttentionSpec:
@@ -134,7 +135,7 @@ def report(stamps, cycles_per_ns: float | None = None) -> dict:
     """Phase means (cycles) and the share of time both warpgroups of a CTA are in their softmax at once."""
     import numpy as np
 
-    t = stamps.reshape(-1, 2, MAX_REC, 8)[..., :7].astype(np.int64)   # [cta, wg, rec, 7]
+    t = stamps.reshape(-1, WGS, MAX_REC, 8)[..., :7].astype(np.int64)  # [cta, wg, rec, 7] (unused wg: zeros)
     valid = (t[..., 0] > 0) & (t[..., 6] > t[..., 0])
     d = np.diff(t, axis=-1)                                          # [cta, wg, rec, 6]
     phases = {name: float(d[..., i][valid].mean()) for i, name in enumerate(PHASES)}
@@ -195,9 +196,9 @@ def main() -> int:
         torch.cuda.synchronize()
         sms = torch.cuda.get_device_properties(0).multi_processor_count  # the persistent grid
         assert sms <= SMS_MAX
-        n = sms * 2 * MAX_REC * 8
+        n = sms * WGS * MAX_REC * 8
         stamps = ws[: n * 8].view(torch.int64).cpu().numpy()
-        items = ws[ITEM_BASE * 8: (ITEM_BASE + sms * 2 * MAX_ITEMS * 8) * 8].view(torch.int64).cpu().numpy()
+        items = ws[ITEM_BASE * 8: (ITEM_BASE + sms * WGS * MAX_ITEMS * 8) * 8].view(torch.int64).cpu().numpy()
         out[shape] = report(stamps)
         out[shape]["items"] = item_report(items)
         print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)

@@ -26,10 +26,12 @@ GPU = tuning.gpu_id("sm_90a", 132)   # what plan() asks for on this machine (no 
 
 
 def test_tile_field_names_a_configuration_of_the_family():
-    # head_dim 128 over a 16-bit cache also has the three-consumer tile; other head dims and fp8 caches do not
-    assert families.tile_names(AttentionSpec(**PREFILL)) == ("kv128", "kv128q1", "kv64s3", "kv128t8", "q192kv64")
-    assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == ("kv128", "kv128q1", "kv64s3",
-                                                                                   "kv128t8")
+    # head_dim 64 and 128 over a 16-bit cache also have the three-consumer tile; head_dim 256 and fp8 caches do not
+    every = ("kv128", "kv128q1", "kv64s3", "kv128t8", "q192kv64")
+    assert families.tile_names(AttentionSpec(**PREFILL)) == every
+    assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == every
+    fp8 = {k: v for k, v in PREFILL.items() if k != "dtype"}
+    assert families.tile_names(AttentionSpec(**fp8, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3")) == every[:4]
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     spec = AttentionSpec(**PREFILL, tile="kv64s3")
     assert '"tile":"kv64s3"' in spec.canonical() and "tkv64s3" in spec.short_name()

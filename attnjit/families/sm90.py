@@ -104,8 +104,8 @@ CONFIGS: dict[str, dict[str, int]] = {
     "kv64s3": dict(cta_kv=64, stages=3, q_stages=2),    # smaller K/V tiles, one more in flight
     "kv128t8": dict(cta_kv=128, stages=2, q_stages=2, tau=8),  # O rescaled only when a row max grows past m + 8
 }
-# Three consumers of 64 rows (192-row items) over 64-token K/V tiles, head_dim 128 and a 16-bit cache only (their
-# 160 registers hold O, S and P of a 64 x 64 tile): the softmax of one beside the other two's GEMMs (RESULTS.md,
+# Three consumers of 64 rows (192-row items) over 64-token K/V tiles, head_dim 64 or 128 over a 16-bit cache only
+# (their 160 registers hold O, S and P of a 64 x 64 tile): the softmax of one beside the other two's GEMMs (RESULTS.md,
 # runs 55-58: a softmax beside wgmma runs 1.6x longer than alone, longer than one other warpgroup's GEMMs).
 CONFIGS_3: dict[str, dict[str, int]] = {"q192kv64": dict(cta_kv=64, stages=3, q_stages=2, consumers=3)}
 CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q_stages=1)}
@@ -114,7 +114,7 @@ CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q
 def _configs(spec: "AttentionSpec") -> dict[str, dict[str, int]]:
     if spec.head_dim_qk == 256:
         return CONFIGS_D256
-    if spec.head_dim_qk == 128 and not _fp8(spec):
+    if spec.head_dim_qk <= 128 and not _fp8(spec):
         return {**CONFIGS, **CONFIGS_3}
     return CONFIGS
 

@@ -214,7 +214,10 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_P, name="paged-fp8-e4m3-p1-tiles", kv="e4m3", page_size=1, qo_lens=PREFILL_QO,
                       kv_lens=PREFILL_KV)]
 TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")] + \
-    [(c, "q192kv64") for c in TILE_CASES if c.kv is None and c.head_dim == 128]  # three consumers: 16-bit, d128
+    [(c, "q192kv64") for c in TILE_CASES + [replace(_P, name="paged-d64-tiles", head_dim=64),
+                                            replace(_R, name="ragged-d64-fp16-tiles", head_dim=64,
+                                                    dtype=torch.float16, causal=False)]
+     if c.kv is None and c.head_dim <= 128]  # three consumers: a 16-bit cache, head_dim 64 or 128
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [

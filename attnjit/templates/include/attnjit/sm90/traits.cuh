@@ -84,8 +84,8 @@ struct Sm90Traits {
   static_assert(CTA_KV % (LOAD_THREADS / 8) == 0, "a kv tile is a whole number of copy passes");
   static_assert(NUM_STAGES >= 2, "K and V rings need at least two stages");
   static_assert(Q_STAGES >= 1, "at least one Q tile");
-  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && HEAD_DIM == 128 && !FP8_KV && CTA_KV <= 64),
-                "three consumers: head_dim 128, a 16-bit cache and 64-token K/V tiles (their registers: 160 each)");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && HEAD_DIM <= 128 && !FP8_KV && CTA_KV <= 64),
+                "three consumers: head_dim 64 or 128, a 16-bit cache, 64-token K/V tiles (their registers: 160 each)");
   static_assert(BAR_EPILOGUE + CONSUMERS <= 16, "named barriers 1..15");
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");

@@ -8,10 +8,11 @@
 //     K and V tiles into two rings of NUM_STAGES stages (order K0, K1, V0, K2, V1, ...: the order the consumers use
 //     them), page ids one tile ahead in registers. Each copy batch completes on an mbarrier
 //     (cp.async.mbarrier.arrive); the consumers release a stage on its "empty" mbarrier.
-//   * two consumer warpgroups (64 packed rows each, most registers): S = Q K^T by wgmma from shared memory, online
-//     softmax in registers, O += P V by wgmma with P from registers. Within a warpgroup the softmax of tile j runs
-//     while the tensor cores compute P(j-1) V(j-1); between the two warpgroups a pair of named barriers hands the
-//     tensor cores back and forth (ping-pong), so one's softmax hides under the other's GEMMs.
+//   * two (tile q192kv64: three) consumer warpgroups (64 packed rows each, most registers): S = Q K^T by wgmma from
+//     shared memory, online softmax in registers, O += P V by wgmma with P from registers. Within a warpgroup the
+//     softmax of tile j runs while the tensor cores compute P(j-1) V(j-1); between the warpgroups one named barrier
+//     each hands the tensor cores on round a ring (ping-pong for two), so one's softmax hides under the others'
+//     GEMMs.
 //   * a persistent grid: every CTA walks the plan's work list with stride gridDim.x (work_count items).
 // Math as in fa2 (base-2 online softmax, lse = m + log2 d, a row with no visible key gives o = 0, lse = -inf; a
 // sink starts the softmax, attnjit/work.cuh).

@@ -6,7 +6,7 @@ run()'s checks against the plan and its launch, and the paged wrappers' cache ch
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -233,15 +233,15 @@ class _AttentionWrapper(FlashInferAliases):
             self._meta.batch = size
         self._plan = plan
 
-    def _checked(self, values: tuple, check: Callable[[], tuple]) -> tuple:
-        """``check()`` (plan()'s checks of its scalar arguments, ``values``), or its result for the last plan() when
-        ``values`` are the same, of the same types: an engine plans every step with the same heads, dtypes and
-        options, and those were checked then. A failing check raises every time (nothing is kept)."""
-        key = args_key(values)
+    def _checked(self, args: dict[str, Any]) -> tuple:
+        """P.plan_scalars(args), or its result for the last plan() when ``args`` has the same values, of the same
+        types: an engine plans every step with the same heads, dtypes and options, and those were checked then. A
+        failing check raises every time (nothing is kept)."""
+        key = args_key(tuple(args.values()))
         memo = self._args_memo
         if key is not None and memo is not None and memo[0] == key:
             return memo[1]
-        out = check()
+        out = P.plan_scalars(args)
         if key is not None:
             self._args_memo = (key, out)
         return out

@@ -73,22 +73,12 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         captured around run() replays the new plan.
         """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
-
-        def check() -> tuple:
-            group = P.check_heads(num_qo_heads, num_kv_heads)
-            head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
-            page = P.plan_page_size(page_size)
-            dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
-            opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                  window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
-                                  fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                                  non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-            return group, head_dim, page, dtypes, opts
-
-        group, head_dim, page_size, dtypes, opts = self._checked(
-            (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, pos_encoding_mode, sm_scale,
-             window_left, logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type,
-             non_blocking, fixed_split_size, disable_split_kv), check)
+        group, head_dim, page_size, dtypes, opts = self._checked(dict(
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            page_size=page_size, q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type,
+            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+            pos_encoding_mode=pos_encoding_mode, causal=causal, fixed_split_size=fixed_split_size,
+            disable_split_kv=disable_split_kv, non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta))
         batch = self._read_paged(_PAGED_NAMES, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  page_size)
         self._plan_batch("prefill", batch, group=group, head_dim=head_dim, dtypes=dtypes, opts=opts,
@@ -148,25 +138,12 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         captured around run() replays the new plan.
         """
         unsupported(block_tables=block_tables, seq_lens=seq_lens, **unused)
-
-        def check() -> tuple:
-            group = P.check_heads(num_qo_heads, num_kv_heads)
-            dim = P.check_head_dims("head_dim", head_dim)
-            page = P.plan_page_size(page_size)
-            if data_type is not None and kv_data_type is None:  # FlashInfer's older name for the KV (and q) type
-                dtypes = P.plan_dtypes(q_data_type, data_type, o_data_type, kv_name="data_type")
-            else:
-                dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
-            opts = P.plan_options(head_dim=dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                  window_left=window_left, pos_encoding_mode=pos_encoding_mode,
-                                  fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                                  non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-            return group, dim, page, dtypes, opts
-
-        group, head_dim, page_size, dtypes, opts = self._checked(
-            (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode, window_left, logits_soft_cap,
-             q_data_type, kv_data_type, data_type, o_data_type, sm_scale, rope_scale, rope_theta, non_blocking,
-             fixed_split_size, disable_split_kv), check)
+        group, head_dim, page_size, dtypes, opts = self._checked(dict(
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, data_type=data_type,
+            sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, window_left=window_left,
+            pos_encoding_mode=pos_encoding_mode, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta))
         batch = self._read_decode(indptr, indices, last_page_len, page_size)
         self._plan_batch("decode", batch, group=group, head_dim=head_dim, dtypes=dtypes, opts=opts,
                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_ids=indices, sinks=sinks,
@@ -243,21 +220,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         captured around run() replays the new plan.
         """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
-
-        def check() -> tuple:
-            group = P.check_heads(num_qo_heads, num_kv_heads)
-            head_dim = P.check_head_dims("head_dim_qk", head_dim_qk, head_dim_vo)
-            dtypes = P.plan_dtypes(q_data_type, kv_data_type, o_data_type)
-            opts = P.plan_options(head_dim=head_dim, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap,
-                                  window_left=window_left, pos_encoding_mode=pos_encoding_mode, causal=causal,
-                                  fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
-                                  non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta)
-            return group, head_dim, dtypes, opts
-
-        group, head_dim, dtypes, opts = self._checked(
-            (num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, causal, pos_encoding_mode, sm_scale, window_left,
-             logits_soft_cap, rope_scale, rope_theta, q_data_type, kv_data_type, o_data_type, non_blocking,
-             fixed_split_size, disable_split_kv), check)
+        group, head_dim, _, dtypes, opts = self._checked(dict(
+            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+            q_data_type=q_data_type, kv_data_type=kv_data_type, o_data_type=o_data_type, sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap, window_left=window_left, pos_encoding_mode=pos_encoding_mode,
+            causal=causal, fixed_split_size=fixed_split_size, disable_split_kv=disable_split_kv,
+            non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta))
         P.check_meta("qo_indptr", qo_indptr, self._device)
         P.check_meta("kv_indptr", kv_indptr, self._device)
         qo_h, kv_h = P.to_host(qo_indptr, kv_indptr)

@@ -132,6 +132,24 @@ class PlanOptions:
     rope_theta: float = 1e4         # ROPE_LLAMA: the frequency base (FlashInfer's default 1e4)
 
 
+def plan_scalars(args: dict[str, Any]) -> tuple:
+    """A plan()'s scalar arguments (``args``: its keywords: heads, ``head_dim`` or ``head_dim_qk`` (and
+    ``head_dim_vo``), ``page_size`` where the wrapper is paged, the dtypes (decode: FlashInfer's older ``data_type``
+    too) and the options of plan_options), checked in that order: (group, head_dim, page size or None, (q, kv, o)
+    dtypes, PlanOptions)."""
+    a = dict(args)
+    group = check_heads(a.pop("num_qo_heads"), a.pop("num_kv_heads"))
+    name = "head_dim" if "head_dim" in a else "head_dim_qk"
+    head_dim = check_head_dims(name, a.pop(name), a.pop("head_dim_vo", None))
+    page = plan_page_size(a.pop("page_size")) if "page_size" in a else None
+    q, kv, o, older = a.pop("q_data_type"), a.pop("kv_data_type"), a.pop("o_data_type"), a.pop("data_type", None)
+    if older is not None and kv is None:  # FlashInfer's older name for the KV (and q) type
+        dtypes = plan_dtypes(q, older, o, kv_name="data_type")
+    else:
+        dtypes = plan_dtypes(q, kv, o)
+    return group, head_dim, page, dtypes, plan_options(head_dim=head_dim, **a)
+
+
 def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = None, window_left: Any = -1,
                  pos_encoding_mode: Any = "NONE", causal: Any = False, fixed_split_size: Any = None,
                  disable_split_kv: Any = False, non_blocking: Any = True, rope_scale: Any = None,

@@ -69,11 +69,14 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     arrays = cascade_arrays(prefix, suffixes)
     indptr, indices, last = flat_tables(prefix, suffixes)
 
-    def both(key: str, fn) -> None:
-        row[key + "_ms"] = time_ms(fn)
+    def both(key: str, fn, eager: bool = True) -> None:
+        """``key``_ms (eager, unless ``eager`` is False) and ``key``_graph_ms, or ``key``_graph_error where the
+        call cannot be captured (the eager figure stays)."""
+        if eager:
+            row[key + "_ms"] = time_ms(fn)
         try:
             row[key + "_graph_ms"] = time_ms(fn, graph=True)
-        except Exception as exc:  # noqa: BLE001 (a call that cannot be captured keeps its eager figure)
+        except Exception as exc:  # noqa: BLE001
             row[key + "_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
             torch.cuda.synchronize()
 
@@ -94,11 +97,7 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     parts = {"level0": lambda: w0.run(q, cache, out=o0, lse=l0), "level1": lambda: w1.run(q, cache, out=o1, lse=l1),
              "merge": lambda: attnjit.merge_state_in_place(o1, l1, o0, l0)}
     for name, fn in parts.items():
-        try:
-            row[f"attnjit_{name}_graph_ms"] = time_ms(fn, graph=True)
-        except Exception as exc:  # noqa: BLE001
-            row[f"attnjit_{name}_graph_error"] = f"{type(exc).__name__}: {exc}"[:300]
-            torch.cuda.synchronize()
+        both(f"attnjit_{name}", fn, eager=False)
     row["max_diff_cascade_vs_flat"] = (out_casc.float() - out_flat.float()).abs().max().item()
     row["attnjit_speedup"] = row["attnjit_flat_ms"] / row["attnjit_cascade_ms"]
     if "attnjit_cascade_graph_ms" in row and "attnjit_flat_graph_ms" in row:

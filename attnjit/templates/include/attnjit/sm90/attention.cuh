@@ -203,7 +203,8 @@ struct Consumer {
     }
   }
 
-  // My turn at the tensor cores, and handing it to the next consumer (a ring of CONSUMERS).
+  // My turn at the tensor cores, and handing it to the next consumer (a ring of CONSUMERS; for two, wg ^ 1 is the
+  // same ring without the signed modulo's instructions).
   __device__ __forceinline__ void take_turn() const { named_sync(Tr::BAR_TURN + wg, Tr::TURN_THREADS); }
   __device__ __forceinline__ void pass_turn() const {
     named_arrive(Tr::BAR_TURN + (Tr::CONSUMERS == 2 ? wg ^ 1 : (wg + 1) % Tr::CONSUMERS), Tr::TURN_THREADS);

@@ -68,7 +68,7 @@ def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache:
     if not torch.cuda.is_available():
         raise NoGPUError("attnjit tune times kernels: it needs a CUDA GPU (none is available)")
     spec = untuned(spec)
-    names = families.tile_names(spec)
+    names = families.tunable_names(spec)
     if spec.op != "prefill" or len(names) < 2:
         return Outcome(spec, {}, None, f"nothing to tune: the {spec.family} family picks its tiles per batch"
                        if spec.op == "prefill" else "nothing to tune: only prefill specs have tile configurations")

@@ -59,7 +59,7 @@ def record_key(spec: AttentionSpec, gpu: str) -> str:
 class Record:
     spec: str                      # canonical spec, without a tile
     gpu: str                       # gpu_id()
-    tile: str                      # the winner (a name of families.tile_names(spec))
+    tile: str                      # the winner (a name of families.tunable_names(spec))
     ms: dict[str, float]           # every configuration's time on the workload
     workload: str                  # what was timed, e.g. "prefill 8x2048 H_q 32 H_kv 8"
     device: str = ""               # the GPU's name, for people
@@ -91,9 +91,9 @@ class TuningStore:
                               stacklevel=2)
                 continue
             record = _parse(data, spec, gpu)
-            if record is None:
-                warnings.warn(f"attnjit: ignoring tuning record {base / DIR / name}: not a record of this spec and "
-                              "GPU", BadTuningRecordWarning, stacklevel=2)
+            if isinstance(record, str):
+                warnings.warn(f"attnjit: ignoring tuning record {base / DIR / name}: {record}", BadTuningRecordWarning,
+                              stacklevel=2)
                 continue
             return record
         return None
@@ -113,17 +113,20 @@ class TuningStore:
         return dest
 
 
-def _parse(data: bytes, spec: AttentionSpec, gpu: str) -> Record | None:
+def _parse(data: bytes, spec: AttentionSpec, gpu: str) -> Record | str:
+    """The record, or why it is not one plan() may use."""
     try:
         raw: Any = json.loads(data.decode("utf-8"))
         record = Record(**raw)
     except (ValueError, TypeError, UnicodeDecodeError):
-        return None
+        return "not a record of this spec and GPU"
     if record.format != RECORD_FORMAT or record.gpu != gpu or record.spec != untuned(spec).canonical():
-        return None
+        return "not a record of this spec and GPU"
     from . import families
 
-    return record if record.tile in families.tile_names(untuned(spec)) else None
+    if record.tile not in families.tunable_names(untuned(spec)):
+        return f"tile {record.tile!r} is not a configuration attnjit tune measures for this spec"
+    return record
 
 
 _memo: dict[tuple[AttentionSpec, str, Path], str | None] = {}

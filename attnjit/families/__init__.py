@@ -81,6 +81,12 @@ def dispatchable(spec: "AttentionSpec") -> list[str]:
 
 
 def tile_names(spec: "AttentionSpec") -> tuple[str, ...]:
-    """The named tile configurations ``spec.tile`` may pick in its family (what ``attnjit tune`` searches)."""
+    """The named tile configurations ``spec.tile`` may pick in its family."""
     fn = getattr(FAMILIES[spec.family], "tile_names", None)
     return fn(spec) if fn is not None else ()
+
+
+def tunable_names(spec: "AttentionSpec") -> tuple[str, ...]:
+    """The configurations ``attnjit tune`` searches: tile_names but for those the family has not measured yet."""
+    untuned = getattr(FAMILIES[spec.family], "UNTUNED", frozenset())
+    return tuple(n for n in tile_names(spec) if n not in untuned)

@@ -2,6 +2,7 @@
 
     python3 benchmarks/plan_host.py              # this machine: a CPU workspace where there is no GPU
     python3 benchmarks/plan_host.py --json out.json
+    python3 benchmarks/plan_host.py --profile prof.txt   # cProfile of plan() on a few rows, nothing else
 
 The issue's configuration: H_q 32 / H_kv 8 / head_dim 128 / bf16 / page 16 / KV 2048 per request, metadata on
 the host as engines pass it (on a GPU host also on the device), decode (one query row per request) and prefill
@@ -235,13 +236,53 @@ def merge_rows() -> dict:
     return row
 
 
+def profiles(path: Path, dev: str, calls: int = 400) -> None:
+    """cProfile of attnjit's plan() on a few rows (each function's own time, the top 30), written to ``path``: what
+    the step timers' "rest" is made of on this host."""
+    import cProfile
+    import io
+    import pstats
+
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
+    cases = [("decode", 1, "cpu"), ("prefill", 1, "cpu"), ("decode", 256, "cpu"), ("prefill", 1, dev),
+             ("decode", 256, dev)]
+    with path.open("w") as f:
+        for op, batch, where in cases:
+            fn = planner("attnjit", op, ws, metadata(batch, op, where))[1]
+            for _ in range(20):
+                fn()
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            f.write(f"==== {op} batch {batch} metadata on {where}: {calls} calls\n{text.getvalue()}\n")
+        w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True)
+        meta = metadata(256, "decode", "cpu")
+        w.plan(meta["indptr"], meta["indices"], meta["last"], H_Q, H_KV, D, PS, q_data_type=DT)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            w.fast_plan(meta["indptr"], meta["indices"], meta["last"])
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        f.write(f"==== fast_plan batch 256: {calls} calls\n{text.getvalue()}\n")
+
+
 def main() -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", type=Path)
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--profile", type=Path, help="write cProfile tables of plan() here, then stop")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     dev = "cuda" if cuda else "cpu"
+    if args.profile:
+        profiles(args.profile, dev)
+        return {}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     try:
         import flashinfer  # noqa: F401

@@ -32,8 +32,9 @@ def test_tile_field_names_a_configuration_of_the_family():
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == every
     fp8 = {k: v for k, v in PREFILL.items() if k != "dtype"}
     assert families.tile_names(AttentionSpec(**fp8, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3")) == every[:4]
-    # attnjit tune searches only the configurations that have run on a GPU, and plan() takes no record of another
-    assert families.tunable_names(AttentionSpec(**PREFILL)) == every[:4]
+    # attnjit tune searches only the configurations that have run on a GPU (all of them now), and plan() takes no
+    # record of another
+    assert families.tunable_names(AttentionSpec(**PREFILL)) == every
     assert families.tunable_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     spec = AttentionSpec(**PREFILL, tile="kv64s3")
@@ -71,7 +72,7 @@ def _record(spec: AttentionSpec, tile: str, gpu: str = GPU) -> tuning.Record:
                          workload="test", device="test")
 
 
-def test_records_are_content_addressed_and_round_trip(tmp_path):
+def test_records_are_content_addressed_and_round_trip(tmp_path, monkeypatch):
     store = tuning.TuningStore(Cache(tmp_path / "root", layers=()))
     spec = AttentionSpec(**PREFILL)
     assert store.lookup(spec, GPU) is None
@@ -82,7 +83,10 @@ def test_records_are_content_addressed_and_round_trip(tmp_path):
     assert store.lookup(spec, tuning.gpu_id("sm_90a", 114)) is None                       # another GPU
     assert store.lookup(AttentionSpec(**{**PREFILL, "group_size": 8}), GPU) is None      # another spec
     assert not list(path.parent.glob(".*.part"))                                           # no temp file left
-    store.write(_record(spec, "q192kv64"))   # a record of a configuration no GPU has run yet (tune writes none)
+    store.write(_record(spec, "q192kv64"))
+    assert store.lookup(spec, GPU).tile == "q192kv64"
+    monkeypatch.setattr(sm90, "UNTUNED", frozenset({"q192kv64"}))   # as if it had not run on a GPU yet
+    assert "q192kv64" not in families.tunable_names(spec)
     with pytest.warns(tuning.BadTuningRecordWarning, match="tile 'q192kv64' is not a configuration attnjit tune"):
         assert store.lookup(spec, GPU) is None
 

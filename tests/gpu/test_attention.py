@@ -129,7 +129,7 @@ def test_tuning_record_picks_the_tile_plan_runs(workspace, tmp_path, monkeypatch
     tuning.clear_memo()
     spec = Case("t", "paged", (1,), (1,)).spec("sm90")
     outcome = tune(spec, batch=2, length=512, reps=3, cache=Cache(tmp_path / "cache"))
-    names = families.tile_names(spec)
+    names = families.tunable_names(spec)
     assert outcome.best in names and set(outcome.ms) == set(names) and len(names) >= 3
     b = make_paged((300,), (400,), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                    dtype=torch.bfloat16, device=DEV, seed=12)

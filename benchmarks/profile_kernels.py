@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_kernels.py prefill 32x512     # paged causal prefill, batch x length
     python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
+    PROFILE_TILE=q192kv64 python3 benchmarks/profile_kernels.py prefill 8x2048   # an sm90 tile configuration
     ncu --clock-control none -k regex:"attnjit_(attention|sm90)" --launch-skip 2 --launch-count 1 --set full \\
         python3 benchmarks/profile_kernels.py prefill 32x512
 `bash scripts/gpu_check.sh profile` runs it under ncu for both libraries and summarizes the stalls.
@@ -31,7 +32,8 @@ def main() -> None:
         qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
         q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
         plan_args = (qo_indptr, *plan_args)
-        make = {"attnjit": lambda ws: attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)}
+        tile = os.environ.get("PROFILE_TILE") or None
+        make = {"attnjit": lambda ws: attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, tile=tile)}
         kw = {"causal": True}
     else:
         q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")

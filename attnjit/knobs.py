@@ -124,8 +124,8 @@ NUM_SMS: Knob[int | None] = Knob(
 
 NATIVE: Knob[bool] = Knob(
     "ATTNJIT_NATIVE", True, _bool,
-    "1 (default): plan with the compiled scheduler (attnjit._cplan) where it was built; 0: the Python one (same "
-    "work lists)")
+    "1 (default): plan with the compiled scheduler (attnjit._cplan) where it was built and copy plan() metadata "
+    "through CuPy's runtime calls; 0: the Python scheduler (same work lists) and torch's copies")
 
 PACKAGES: Knob[bool] = Knob(
     "ATTNJIT_PACKAGES", True, _bool,

@@ -98,6 +98,7 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
              "merge": lambda: attnjit.merge_state_in_place(o1, l1, o0, l0)}
     for name, fn in parts.items():
         both(f"attnjit_{name}", fn, eager=False)
+    level0_sweep(row, arrays, q, cache, ws, time_ms)
     row["max_diff_cascade_vs_flat"] = (out_casc.float() - out_flat.float()).abs().max().item()
     row["attnjit_speedup"] = row["attnjit_flat_ms"] / row["attnjit_cascade_ms"]
     if "attnjit_cascade_graph_ms" in row and "attnjit_flat_graph_ms" in row:
@@ -119,6 +120,23 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     results.append(row)
 
 
+def level0_sweep(row: dict, arrays, q, cache, ws, time_ms: Callable) -> None:
+    """Level 0 alone (the 16 query rows of the group over the 8192-token prefix), graph replays, under each kernel
+    family and split size: ``row["level0_sweep"]`` = [{backend, fixed_split_size, plan, graph_ms}]."""
+    import attnjit
+
+    qo, kvp, idx, last = (a[0] for a in arrays)
+    o, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    out = []
+    for backend in ("auto", "fa2"):
+        for split in (None, 256, 1024, 2048):
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            w.plan(qo, kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT, fixed_split_size=split)
+            ms = time_ms(lambda: w.run(q, cache, out=o, lse=lse), graph=True)
+            out.append({"backend": backend, "fixed_split_size": split, "plan": w.last_plan, "graph_ms": ms})
+    row["level0_sweep"] = out
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| workload | timing | attnjit flat | attnjit cascade | speed-up (>= 3x) | FlashInfer cascade | "
              "FlashInfer flat | attnjit cascade vs FlashInfer cascade |", "|---|---|---|---|---|---|---|---|"]
@@ -133,4 +151,8 @@ def table(rows: list[dict]) -> str:
         if "attnjit_level0_graph_ms" in r:
             lines.append(f"\nattnjit cascade by part (graph): level 0 {ms(r, 'attnjit_level0_graph_ms')}, level 1 "
                          f"{ms(r, 'attnjit_level1_graph_ms')}, merge {ms(r, 'attnjit_merge_graph_ms')}")
+        for v in r.get("level0_sweep", []):
+            p = v["plan"]
+            lines.append(f"level 0 alone, backend {v['backend']}, fixed_split_size {v['fixed_split_size']}: "
+                         f"{v['graph_ms']:.4f} ms ({p['family']} {p['tile']}, {p['ctas']} CTAs, chunk {p['chunk_kv']})")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ the host as engines pass it (on a GPU host also on the device), decode (one quer
 (128 new tokens per request, causal), batch 1 / 16 / 64 / 256. Per call: the minimum and the median over rounds of
 calls (the minimum is the figure to compare on a shared machine; the median shows the noise). Also:
 
-- where attnjit's plan() spends it (validate + read metadata / schedule / upload / launch setup / the rest), by
+- where attnjit's plan() spends it (device to host, for device metadata / validate + read metadata / schedule / upload / launch setup / the rest), by
   timing those functions inside plan();
 - graph-mode decode: plan() and the fast re-plan (``BatchDecodeWithPagedKVCacheWrapper.fast_plan``) at the same
   sizes, where the wrapper has one;
@@ -96,7 +96,8 @@ def step_timers(totals: dict):
     """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
     from attnjit.ops import _upload, _wrapper, planner as plan_inputs
 
-    targets = [(plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
+    targets = [(plan_inputs, "to_host", "device to host"), (plan_inputs, "device_page_range", "device to host"),
+               (plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
                (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),
                (_wrapper._AttentionWrapper, "_fill_launch", "launch setup"),
@@ -304,7 +305,7 @@ def main() -> dict:
                     row[name] = timed(fn, cuda=cuda)
                 if "flashinfer" in row:
                     row["ratio_min"] = round(row["attnjit"]["min_us"] / row["flashinfer"]["min_us"], 2)
-                if not args.no_breakdown and where == "host":
+                if not args.no_breakdown:
                     row["attnjit_steps"] = breakdown(planner("attnjit", op, ws, meta)[1])
                 rows.append(row)
                 print(json.dumps(row), flush=True)

@@ -7,6 +7,12 @@ a wrapper keeps two (a plan while the other's copy is in flight), and when both 
 buffer from torch's caching host allocator (which holds it until its copy has run). Page ids already on the device
 are used where they lie (a strided view is made dense first: the kernels read them as a dense array).
 
+On a CUDA device the copies and events go through CuPy's CUDA runtime bindings on the raw current stream
+(``RawCuda``: cudaMemcpyAsync, cudaEventRecord, cudaEventQuery), a few microseconds a plan where torch's ``copy_``
+and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, run 61); torch's path serves where CuPy is missing and
+with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's copy, whose host
+allocator then holds it until the copy has run.
+
 Layout (int32): ``[work_count, 0, 0, 0][records: W x 12][tickets][page ids given on the host]``; the records start
 16 bytes in, as the kernels read them as int4. With ``use_cuda_graph`` every buffer a kernel reads keeps its
 address across plans: the regions are sized by the first plan (or ``max_work_items``) and later plans write the
@@ -22,6 +28,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import dispatch, knobs
 from .planner import dense_page_ids
 from .scheduler import RECORD_FIELDS
 
@@ -60,11 +67,67 @@ def _cuda_event():
     return torch.cuda.Event()
 
 
+class RawCuda:
+    """Host-to-device copies and their events on one device through CuPy's runtime bindings (thin Cython calls on
+    the raw current stream; torch's own stream state is not touched: the stream is the one torch would use)."""
+
+    def __init__(self, device_index: int):
+        import cupy
+        from cupy.cuda import runtime
+
+        for name in ("memcpyAsync", "memcpyHostToDevice", "eventCreateWithFlags", "eventDisableTiming", "eventRecord",
+                     "eventQuery", "eventDestroy"):
+            getattr(runtime, name)   # an older CuPy without one: AttributeError, and torch's path serves
+        self.rt, self.index = runtime, device_index
+        self._device = cupy.cuda.Device(device_index)
+
+    def stream(self) -> int:
+        return dispatch.current_stream(self.index)
+
+    def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.rt.memcpyAsync(dst, src, nbytes, self.rt.memcpyHostToDevice, stream)
+
+    def event(self) -> "RawEvent":
+        with self._device:
+            return RawEvent(self, self.rt.eventCreateWithFlags(self.rt.eventDisableTiming))
+
+
+class RawEvent:
+    """A CUDA event of RawCuda's device: ``record()`` on the current stream, ``query()`` True once it has run."""
+
+    __slots__ = ("cuda", "ptr")
+
+    def __init__(self, cuda: RawCuda, ptr: int):
+        self.cuda, self.ptr = cuda, ptr
+
+    def record(self) -> None:
+        self.cuda.rt.eventRecord(self.ptr, self.cuda.stream())
+
+    def query(self) -> bool:
+        return self.cuda.rt.eventQuery(self.ptr) == 0
+
+    def __del__(self):
+        try:
+            self.cuda.rt.eventDestroy(self.ptr)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: the runtime may be gone already
+            pass
+
+
+def raw_cuda(device: torch.device) -> RawCuda | None:
+    """RawCuda for a CUDA device where CuPy imports and ATTNJIT_NATIVE is not 0, else None (torch's path)."""
+    if device.type != "cuda" or not knobs.NATIVE.get():
+        return None
+    try:
+        return RawCuda(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception:  # noqa: BLE001 - no CuPy (or no runtime binding): torch's copies serve
+        return None
+
+
 class MetadataBuffers:
     """The device metadata of one wrapper's plans."""
 
     def __init__(self, device: torch.device, use_cuda_graph: bool, max_work_items: int | None, *,
-                 new_event: Callable[[], object] | None = None):
+                 new_event: Callable[[], object] | None = None, raw: RawCuda | None = None):
         self.device = device
         self.graph = use_cuda_graph
         self.max_work_items = max_work_items
@@ -74,7 +137,10 @@ class MetadataBuffers:
         self.ids_at: int | None = None                   # graph mode: where fixed_page_ids starts in fixed_meta
         self.batch: int | None = None                    # graph mode: the batch size of every plan (the first's)
         self._pinned = device.type == "cuda"
-        self._new_event = new_event if new_event is not None else (_cuda_event if self._pinned else None)
+        self.raw = raw if new_event is not None else raw_cuda(device)   # a test's fake events go with torch's copy
+        if new_event is None and self._pinned:
+            new_event = self.raw.event if self.raw is not None else _cuda_event
+        self._new_event = new_event
         self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
 
     def check_batch(self, batch: int) -> None:
@@ -93,10 +159,20 @@ class MetadataBuffers:
             if s.free():  # too small: replace it (torch's host allocator keeps the old one until its copy ran)
                 slots[i] = Staging(max(size, 2 * s.size), self._pinned, self._new_event)
                 return slots[i]
-        s = Staging(max(size, 1024), self._pinned, self._new_event)
-        if len(slots) < _SLOTS:
+        kept = len(slots) < _SLOTS
+        s = Staging(max(size, 1024), self._pinned, self._new_event if kept or self.raw is None else _cuda_event)
+        if kept:
             slots.append(s)
         return s
+
+    def _copy(self, dst: torch.Tensor, slot: Staging, start: int, count: int) -> None:
+        """``count`` ints of ``slot`` from ``start`` into ``dst`` (a device tensor of at least that many), on the
+        current stream. A kept buffer's copy goes through RawCuda where it is set; a one-off one through torch."""
+        if self.raw is not None and type(slot.event) is RawEvent:
+            raw = self.raw
+            raw.copy(dst.data_ptr(), slot.tensor.data_ptr() + 4 * start, 4 * count, raw.stream())
+        else:
+            dst[:count].copy_(slot.tensor[start:start + count], non_blocking=True)
 
     def upload(self, records: np.ndarray, *, num_groups: int, num_kv_heads: int, page_ids: torch.Tensor | None,
                used: int, keep: list) -> dict[str, int]:
@@ -121,7 +197,7 @@ class MetadataBuffers:
         if host_ids and used:
             host[end:total] = page_ids.numpy()[:used]
         dev = torch.empty(total, dtype=torch.int32, device=self.device)
-        dev.copy_(slot.tensor[:total], non_blocking=True)
+        self._copy(dev, slot, 0, total)
         slot.copied()
         keep.append(dev)
         base = dev.data_ptr()
@@ -155,13 +231,14 @@ class MetadataBuffers:
             at = self.ids_at if own_ids else total
             host[at:at + used] = page_ids.numpy()[:used]
         dev = self.fixed_meta
-        dev[:total].copy_(slot.tensor[:total], non_blocking=True)  # the gaps hold zeros or an older plan's records
+        self._copy(dev, slot, 0, total)   # the gaps hold zeros or an older plan's records
         fixed = self.fixed_page_ids
         if page_ids is not None and used and not own_ids:
-            src = slot.tensor[total:total + used] if host_ids else page_ids[:used]
+            if host_ids:
+                self._copy(fixed, slot, total, used)
             # the engine may have written the page ids into the fixed buffer itself (FlashInfer's pattern)
-            if host_ids or not (src.data_ptr() == fixed.data_ptr() and src.is_contiguous()):
-                fixed[:used].copy_(src, non_blocking=True)
+            elif not (page_ids.data_ptr() == fixed.data_ptr() and page_ids[:used].is_contiguous()):
+                fixed[:used].copy_(page_ids[:used], non_blocking=True)
         slot.copied()
         keep.append(dev)
         base = dev.data_ptr()

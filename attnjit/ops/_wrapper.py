@@ -112,6 +112,7 @@ class _AttentionWrapper(FlashInferAliases):
         self._kv_layout = check_layout(kv_layout)
         self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
         self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
+        self._cuda_seen = False   # torch.cuda.is_available() once answered True for this wrapper (_finish_plan)
         self._plan: Plan | None = None  # graph mode: every plan has the first one's spec, tile and grid
         self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache, its memory) of the last run()
@@ -182,8 +183,10 @@ class _AttentionWrapper(FlashInferAliases):
         group = spec.group_size
         qo_lens = batch.qo_lens
         on_gpu = self._device.type == "cuda"
-        if on_gpu and not torch.cuda.is_available():
-            raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
+        if on_gpu and not self._cuda_seen:
+            if not torch.cuda.is_available():
+                raise NoGPUError("the workspace is on a CUDA device but CUDA is not available")
+            self._cuda_seen = True   # asked once per wrapper: it does not stop being available
         sms = None if on_gpu else dispatch.num_sms(None)  # no GPU: ATTNJIT_NUM_SMS, read once per plan
         # the kernel family: the wrapper's backend, else the spec's default for this batch (graph mode: the first
         # plan's, which the captured graph replays)

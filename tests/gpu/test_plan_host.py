@@ -154,3 +154,35 @@ def test_cuda_graph_decode_replays_after_fast_plan():
         ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=PS)
         assert_close(out_buf, ref, DT, what=f"replay {step}")
     assert splits[1] and not splits[0], splits
+
+
+def test_metadata_copies_go_through_the_runtime_and_match_torchs(monkeypatch):
+    """On a GPU the metadata copies and events go through CuPy's runtime calls (RawCuda); ATTNJIT_NATIVE=0 gives
+    torch's. Both put the same ints on the device, and behind a busy stream a kept staging buffer is not rewritten
+    while its copy is in flight (the third plan takes a one-off buffer, copied by torch)."""
+    import numpy as np
+
+    from attnjit.ops._upload import MetadataBuffers, RawEvent
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    raw = MetadataBuffers(dev, False, None)
+    assert raw.raw is not None
+    monkeypatch.setenv("ATTNJIT_NATIVE", "0")
+    plain = MetadataBuffers(dev, False, None)
+    assert plain.raw is None
+    records = np.arange(5 * 12, dtype=np.int32).reshape(5, 12)
+    ids = i32(list(range(40, 80)), "cpu")
+    kept: list[list] = [[], [], [], []]
+    torch.cuda._sleep(200_000_000)   # the copies queue behind ~0.1 s of GPU time
+    for i in range(3):
+        raw.upload(records + 100 * i, num_groups=1, num_kv_heads=2, page_ids=ids, used=40, keep=kept[i])
+    assert len(raw.staging) == 2 and not any(s.free() for s in raw.staging)
+    assert all(type(s.event) is RawEvent for s in raw.staging)
+    plain.upload(records, num_groups=1, num_kv_heads=2, page_ids=ids, used=40, keep=kept[3])
+    torch.cuda.synchronize()
+    assert all(s.free() for s in raw.staging)
+    assert kept[0][0].tolist() == kept[3][0].tolist()
+    for i in range(3):
+        got = kept[i][0].cpu()
+        assert got[:4].tolist() == [5, 0, 0, 0] and got[4:64].tolist() == (records + 100 * i).reshape(-1).tolist()
+        assert got[64:66].tolist() == [0, 0] and got[66:].tolist() == list(range(40, 80))

@@ -96,7 +96,8 @@ def step_timers(totals: dict):
     """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
     from attnjit.ops import _upload, _wrapper, planner as plan_inputs
 
-    targets = [(plan_inputs, "to_host", "device to host"), (plan_inputs, "device_page_range", "device to host"),
+    targets = [(_upload.MetadataBuffers, "to_host", "device to host"),
+               (plan_inputs, "device_page_range", "device to host"),
                (plan_inputs, "read_paged", "read metadata"), (plan_inputs, "read_ragged", "read metadata"),
                (plan_inputs, "read_qo_indptr", "read metadata"), (plan_inputs, "plan_options", "check scalars"),
                (_wrapper, "plan_work", "schedule"), (_upload.MetadataBuffers, "upload", "upload"),

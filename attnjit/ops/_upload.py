@@ -1,4 +1,5 @@
-"""A plan's device metadata: work count, work records, split-group tickets and page ids, in one host-to-device copy.
+"""A plan's device metadata: work count, work records, split-group tickets and page ids, in one host-to-device copy;
+and the read-back of metadata an engine passed on the device (``MetadataBuffers.to_host``).
 
 Host metadata never needs a device-to-host read: the values are written into a pinned host buffer that the wrapper
 keeps (``Staging``) and copied once, asynchronously. A staging buffer is written again only once the event recorded
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from .. import dispatch, knobs
-from .planner import dense_page_ids
+from .planner import dense_page_ids, to_host
 from .scheduler import RECORD_FIELDS
 
 RECORD = len(RECORD_FIELDS)  # ints per work record
@@ -75,8 +76,8 @@ class RawCuda:
         import cupy
         from cupy.cuda import runtime
 
-        for name in ("memcpyAsync", "memcpyHostToDevice", "eventCreateWithFlags", "eventDisableTiming", "eventRecord",
-                     "eventQuery", "eventDestroy"):
+        for name in ("memcpyAsync", "memcpyHostToDevice", "memcpyDeviceToHost", "streamSynchronize",
+                     "eventCreateWithFlags", "eventDisableTiming", "eventRecord", "eventQuery", "eventDestroy"):
             getattr(runtime, name)   # an older CuPy without one: AttributeError, and torch's path serves
         self.rt, self.index = runtime, device_index
         self._device = cupy.cuda.Device(device_index)
@@ -86,6 +87,12 @@ class RawCuda:
 
     def copy(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         self.rt.memcpyAsync(dst, src, nbytes, self.rt.memcpyHostToDevice, stream)
+
+    def copy_back(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self.rt.memcpyAsync(dst, src, nbytes, self.rt.memcpyDeviceToHost, stream)
+
+    def sync(self, stream: int) -> None:
+        self.rt.streamSynchronize(stream)
 
     def event(self) -> "RawEvent":
         with self._device:
@@ -142,6 +149,34 @@ class MetadataBuffers:
             new_event = self.raw.event if self.raw is not None else _cuda_event
         self._new_event = new_event
         self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
+        self._readback: torch.Tensor | None = None      # pinned: device metadata read back by to_host (RawCuda)
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """planner.to_host (device metadata -> host, the one synchronization such a plan makes) through RawCuda:
+        each device tensor copied into a pinned read-back buffer, then one stream synchronize; no concatenation
+        kernel, no pageable copy. The host tensors returned are views of that buffer, valid until the next call
+        (plan() reads them into arrays of its own before it returns). Without RawCuda, or for a tensor that is not
+        a dense int32 one (planner.to_host takes any), planner.to_host."""
+        raw = self.raw
+        on_device = [t for t in tensors if t.device.type != "cpu"]
+        if raw is None or not on_device or any(t.dtype is not torch.int32 or not t.is_contiguous() for t in on_device):
+            return to_host(*tensors)
+        total = sum(t.numel() for t in on_device)
+        buf = self._readback
+        if buf is None or buf.numel() < total:
+            buf = self._readback = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=True)
+        stream, base, at, out = raw.stream(), buf.data_ptr(), 0, []
+        for t in tensors:
+            if t.device.type == "cpu":
+                out.append(t)
+                continue
+            n = t.numel()
+            if n:
+                raw.copy_back(base + 4 * at, t.data_ptr(), 4 * n, stream)
+            out.append(buf[at:at + n].view(t.shape))
+            at += n
+        raw.sync(stream)
+        return out
 
     def check_batch(self, batch: int) -> None:
         if self.graph and self.batch is not None and batch != self.batch:

@@ -481,14 +481,14 @@ class _PagedMixin:
             P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
             P.check_meta(n_indices, indices, dev)
             rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
-            kvp, last, *rng = P.to_host(indptr, last_page_len, *(rng or ()))  # one copy of all device metadata
+            kvp, last, *rng = self._meta.to_host(indptr, last_page_len, *(rng or ()))  # one copy of all device metadata
             qo = np.arange(indptr.numel(), dtype=np.int64)
         else:  # qo_indptr is read (and checked) first: it says how long the others must be
             for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices),
                             (n_last, last_page_len)):
                 P.check_meta(name, t, dev)
             rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
-            qo_h, kvp, last, *rng = P.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
+            qo_h, kvp, last, *rng = self._meta.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
             qo = P.read_qo_indptr("qo_indptr", qo_h)
             P.check_meta(n_indptr, indptr, dev, len(qo))
             P.check_meta(n_last, last_page_len, dev, len(qo) - 1)

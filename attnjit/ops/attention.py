@@ -228,7 +228,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             non_blocking=non_blocking, rope_scale=rope_scale, rope_theta=rope_theta))
         P.check_meta("qo_indptr", qo_indptr, self._device)
         P.check_meta("kv_indptr", kv_indptr, self._device)
-        qo_h, kv_h = P.to_host(qo_indptr, kv_indptr)
+        qo_h, kv_h = self._meta.to_host(qo_indptr, kv_indptr)
         qo = P.read_qo_indptr("qo_indptr", qo_h)
         P.check_meta("kv_indptr", kv_indptr, self._device, len(qo))
         batch = P.read_ragged("kv_indptr", qo, kv_h)

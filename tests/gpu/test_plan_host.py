@@ -90,10 +90,18 @@ def test_device_metadata_plans_the_same_work_as_host_metadata():
     assert plans[0] == plans[1]
 
 
-def test_device_metadata_is_read_in_one_synchronizing_copy():
-    """Metadata on the device: plan() reads it in one device-to-host copy (the page ids' min and max reduced on the
-    device and carried in it), for decode and paged prefill, page ids past indptr[-1] being garbage."""
+def test_device_metadata_is_read_in_one_synchronizing_copy(monkeypatch):
+    """Metadata on the device: plan() reads it in one synchronization (the page ids, or their min and max reduced on
+    the device, carried with it), for decode and paged prefill, page ids past indptr[-1] being garbage. The syncs
+    counted are torch's (its sync debug mode) and RawCuda's stream synchronizes (CuPy's calls, which torch does not
+    see)."""
     import warnings
+
+    from attnjit.ops._upload import RawCuda
+
+    raw_syncs = []
+    real_sync = RawCuda.sync
+    monkeypatch.setattr(RawCuda, "sync", lambda self, stream: (raw_syncs.append(stream), real_sync(self, stream)))
 
     ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
     b = make_paged((5, 1, 9), (40, 17, 3000), page_size=PS, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
@@ -108,10 +116,11 @@ def test_device_metadata_is_read_in_one_synchronizing_copy():
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
+                raw_syncs.clear()
                 decode.plan(kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT)
-                n_decode = sum("synchroniz" in str(w.message) for w in caught)
+                n_decode = sum("synchroniz" in str(w.message) for w in caught) + len(raw_syncs)
                 prefill.plan(qo, kvp, idx, last, H_Q, H_KV, D, PS, causal=True, q_data_type=DT)
-                n_prefill = sum("synchroniz" in str(w.message) for w in caught) - n_decode
+                n_prefill = sum("synchroniz" in str(w.message) for w in caught) + len(raw_syncs) - n_decode
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert (n_decode, n_prefill) == (1, 1)
@@ -186,3 +195,23 @@ def test_metadata_copies_go_through_the_runtime_and_match_torchs(monkeypatch):
         got = kept[i][0].cpu()
         assert got[:4].tolist() == [5, 0, 0, 0] and got[4:64].tolist() == (records + 100 * i).reshape(-1).tolist()
         assert got[64:66].tolist() == [0, 0] and got[66:].tolist() == list(range(40, 80))
+
+
+def test_read_back_of_device_metadata_matches_planner_to_host():
+    """MetadataBuffers.to_host (pinned read-back through RawCuda) gives planner.to_host's values for host, dense,
+    empty and 0-d device tensors; a strided view goes to planner.to_host; the buffer grows for a longer batch."""
+    from attnjit.ops import planner
+    from attnjit.ops._upload import MetadataBuffers
+
+    meta = MetadataBuffers(torch.device("cuda", torch.cuda.current_device()), False, None)
+    assert meta.raw is not None
+    host = i32([3, 1, 4], "cpu")
+    dense = torch.arange(7, dtype=torch.int32, device=DEV) * 3
+    empty = torch.empty(0, dtype=torch.int32, device=DEV)
+    lo, hi = torch.aminmax(dense)
+    for args in ((host, dense, empty, lo, hi), (dense[::2], host), (torch.arange(5000, dtype=torch.int32, device=DEV),)):
+        got = meta.to_host(*args)
+        want = planner.to_host(*args)
+        assert [g.shape for g in got] == [w.shape for w in want] and all(g.device.type == "cpu" for g in got)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert meta._readback.numel() >= 5000 and meta._readback.is_pinned()

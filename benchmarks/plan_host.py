@@ -196,6 +196,39 @@ def upload_rows(dev: str) -> list[dict]:
     return rows
 
 
+def readback_rows() -> dict:
+    """GPU only: what reading device metadata back costs, piece by piece (us a call, minimum): the decode B = 1 and
+    B = 256 tables (indptr, last_page_len, page ids) through planner.to_host (torch.cat, then .cpu()) and through
+    MetadataBuffers.to_host (RawCuda copies into a pinned buffer, one stream synchronize); one 2-int .cpu(); one
+    RawCuda 8-byte copy back with its synchronize; a synchronize alone, RawCuda's and torch's."""
+    from attnjit.ops import planner as plan_inputs
+    from attnjit.ops._upload import MetadataBuffers
+
+    meta_buf = MetadataBuffers(torch.device("cuda", torch.cuda.current_device()), False, None)
+    raw = meta_buf.raw
+    row = {"op": "read back"}
+    for batch in (1, 256):
+        m = metadata(batch, "decode", "cuda")
+        args = (m["indptr"], m["last"], m["indices"])
+        row[f"planner.to_host B{batch}"] = timed(lambda: plan_inputs.to_host(*args), cuda=True)["min_us"]
+        if raw is not None:
+            row[f"MetadataBuffers.to_host B{batch}"] = timed(lambda: meta_buf.to_host(*args), cuda=True)["min_us"]
+    two = torch.zeros(2, dtype=torch.int32, device="cuda")
+    row["one .cpu() of 2 ints"] = timed(lambda: two.cpu(), cuda=True)["min_us"]
+    row["torch stream synchronize"] = timed(lambda: torch.cuda.current_stream().synchronize(), cuda=True)["min_us"]
+    if raw is not None:
+        pinned = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+
+        def back():
+            stream = raw.stream()
+            raw.copy_back(pinned.data_ptr(), two.data_ptr(), 8, stream)
+            raw.sync(stream)
+        row["RawCuda 8-byte copy back + synchronize"] = timed(back, cuda=True)["min_us"]
+        row["RawCuda synchronize alone"] = timed(lambda: raw.sync(raw.stream()), cuda=True)["min_us"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def merge_rows() -> dict:
     """Host us of the eager merge_state / merge_states / merge_state_in_place Python before their launch, on the
     CPU: [16, 32, 128] bf16 states; the GPU check, the module (its lookup is still made) and the launch are
@@ -324,6 +357,7 @@ def main() -> dict:
         fast.append(row)
         print(json.dumps(row), flush=True)
     uploads = upload_rows(dev)
+    readback = readback_rows() if cuda else None
     merges = None if cuda else merge_rows()
     dispatch = dispatch_overhead(cuda, dev)
     print(json.dumps(dispatch), flush=True)
@@ -334,7 +368,7 @@ def main() -> dict:
            "compiled_scheduler": scheduler._cplan is not None and knobs.NATIVE.get(),
            "config": {"H_q": H_Q, "H_kv": H_KV, "head_dim": D, "page_size": PS, "kv_per_request": KV,
                       "prefill_qo_per_request": QO, "dtype": "bf16"}, "rows": rows, "graph_decode": fast,
-           "upload": uploads, "merge": merges, "dispatch": dispatch}
+           "upload": uploads, "read_back": readback, "merge": merges, "dispatch": dispatch}
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
     return out

@@ -173,7 +173,7 @@ class MetadataBuffers:
             n = t.numel()
             if n:
                 raw.copy_back(base + 4 * at, t.data_ptr(), 4 * n, stream)
-            out.append(buf[at:at + n].view(t.shape))
+            out.append(buf[at:at + n])   # 1-D, a 0-d tensor as one element (as planner.to_host gives)
             at += n
         raw.sync(stream)
         return out

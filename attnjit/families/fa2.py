@@ -168,7 +168,8 @@ def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: 
     fitting = [t for t in all_tiles if max_rows <= t.cta_q] or [all_tiles[-1]]
     tile = fitting[0]
     if len(fitting) > 1 and fitting[1].tag == "deep" and allow_split:
-        items = int((-(-(qo[qo > 0] * group) // tile.cta_q)).sum()) * num_kv_heads
+        # every request's packed rows fit one tile (max_rows <= tile.cta_q): one item per request with rows
+        items = int(np.count_nonzero(qo)) * num_kv_heads
         if items < capacity(tile):
             tile = fitting[1]
     return tile

@@ -10,7 +10,7 @@ are used where they lie (a strided view is made dense first: the kernels read th
 
 On a CUDA device the copies and events go through CuPy's CUDA runtime bindings on the raw current stream
 (``RawCuda``: cudaMemcpyAsync, cudaEventRecord, cudaEventQuery), a few microseconds a plan where torch's ``copy_``
-and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, run 61); torch's path serves where CuPy is missing and
+and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, runs 61-63); torch's path serves where CuPy is missing and
 with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's copy, whose host
 allocator then holds it until the copy has run.
 

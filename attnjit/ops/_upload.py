@@ -157,9 +157,11 @@ class MetadataBuffers:
         kernel, no pageable copy. The host tensors returned are views of that buffer, valid until the next call
         (plan() reads them into arrays of its own before it returns). Without RawCuda, or for a tensor that is not
         a dense int32 one (planner.to_host takes any), planner.to_host."""
+        if all(t.is_cpu for t in tensors):   # host metadata, the common case: nothing to copy
+            return list(tensors)
         raw = self.raw
-        on_device = [t for t in tensors if t.device.type != "cpu"]
-        if raw is None or not on_device or any(t.dtype is not torch.int32 or not t.is_contiguous() for t in on_device):
+        on_device = [t for t in tensors if not t.is_cpu]
+        if raw is None or any(t.dtype is not torch.int32 or not t.is_contiguous() for t in on_device):
             return to_host(*tensors)
         total = sum(t.numel() for t in on_device)
         buf = self._readback
@@ -167,7 +169,7 @@ class MetadataBuffers:
             buf = self._readback = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=True)
         stream, base, at, out = raw.stream(), buf.data_ptr(), 0, []
         for t in tensors:
-            if t.device.type == "cpu":
+            if t.is_cpu:
                 out.append(t)
                 continue
             n = t.numel()

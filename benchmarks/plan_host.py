@@ -9,8 +9,8 @@ the host as engines pass it (on a GPU host also on the device), decode (one quer
 (128 new tokens per request, causal), batch 1 / 16 / 64 / 256. Per call: the minimum and the median over rounds of
 calls (the minimum is the figure to compare on a shared machine; the median shows the noise). Also:
 
-- where attnjit's plan() spends it (device to host, for device metadata / validate + read metadata / schedule / upload / launch setup / the rest), by
-  timing those functions inside plan();
+- where attnjit's plan() spends it (device to host, for device metadata / validate + read metadata / schedule /
+  upload / launch setup / the rest), by timing those functions inside plan();
 - graph-mode decode: plan() and the fast re-plan (``BatchDecodeWithPagedKVCacheWrapper.fast_plan``) at the same
   sizes, where the wrapper has one;
 - the metadata upload alone (``MetadataBuffers.upload``, plain and graph mode; a CPU "device" without a GPU) and, on

@@ -10,8 +10,8 @@ are used where they lie (a strided view is made dense first: the kernels read th
 
 On a CUDA device the copies and events go through CuPy's CUDA runtime bindings on the raw current stream
 (``RawCuda``: cudaMemcpyAsync, cudaEventRecord, cudaEventQuery), a few microseconds a plan where torch's ``copy_``
-and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, runs 61-63); torch's path serves where CuPy is missing and
-with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's copy, whose host
+and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, runs 61-63); torch's path serves where CuPy is
+missing and with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's copy, whose host
 allocator then holds it until the copy has run.
 
 Layout (int32): ``[work_count, 0, 0, 0][records: W x 12][tickets][page ids given on the host]``; the records start
@@ -134,7 +134,7 @@ class MetadataBuffers:
     """The device metadata of one wrapper's plans."""
 
     def __init__(self, device: torch.device, use_cuda_graph: bool, max_work_items: int | None, *,
-                 new_event: Callable[[], object] | None = None, raw: RawCuda | None = None):
+                 new_event: Callable[[], object] | None = None):
         self.device = device
         self.graph = use_cuda_graph
         self.max_work_items = max_work_items
@@ -144,7 +144,7 @@ class MetadataBuffers:
         self.ids_at: int | None = None                   # graph mode: where fixed_page_ids starts in fixed_meta
         self.batch: int | None = None                    # graph mode: the batch size of every plan (the first's)
         self._pinned = device.type == "cuda"
-        self.raw = raw if new_event is not None else raw_cuda(device)   # a test's fake events go with torch's copy
+        self.raw = None if new_event is not None else raw_cuda(device)   # a test's fake events go with torch's copy
         if new_event is None and self._pinned:
             new_event = self.raw.event if self.raw is not None else _cuda_event
         self._new_event = new_event
@@ -206,6 +206,8 @@ class MetadataBuffers:
         """``count`` ints of ``slot`` from ``start`` into ``dst`` (a device tensor of at least that many), on the
         current stream. A kept buffer's copy goes through RawCuda where it is set; a one-off one through torch."""
         if self.raw is not None and type(slot.event) is RawEvent:
+            if dst.numel() < count or slot.size < start + count or not dst.is_contiguous():  # raw: unchecked
+                raise AssertionError(f"metadata copy of {count} ints at {start} into {dst.numel()} ({slot.size} staged)")
             raw = self.raw
             raw.copy(dst.data_ptr(), slot.tensor.data_ptr() + 4 * start, 4 * count, raw.stream())
         else:

@@ -209,7 +209,8 @@ def test_read_back_of_device_metadata_matches_planner_to_host():
     dense = torch.arange(7, dtype=torch.int32, device=DEV) * 3
     empty = torch.empty(0, dtype=torch.int32, device=DEV)
     lo, hi = torch.aminmax(dense)
-    for args in ((host, dense, empty, lo, hi), (dense[::2], host), (torch.arange(5000, dtype=torch.int32, device=DEV),)):
+    longer = torch.arange(5000, dtype=torch.int32, device=DEV)
+    for args in ((host, dense, empty, lo, hi), (dense[::2], host), (longer,)):
         got = meta.to_host(*args)
         want = planner.to_host(*args)
         assert [g.shape for g in got] == [w.shape for w in want] and all(g.device.type == "cpu" for g in got)

@@ -11,8 +11,8 @@ are used where they lie (a strided view is made dense first: the kernels read th
 On a CUDA device the copies and events go through CuPy's CUDA runtime bindings on the raw current stream
 (``RawCuda``: cudaMemcpyAsync, cudaEventRecord, cudaEventQuery), a few microseconds a plan where torch's ``copy_``
 and ``torch.cuda.Event`` cost tens on a slow host (RESULTS.md, runs 61-63); torch's path serves where CuPy is
-missing and with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's copy, whose host
-allocator then holds it until the copy has run.
+missing and with ATTNJIT_NATIVE=0. A one-off staging buffer (both kept ones busy) always goes through torch's
+copy, whose host allocator then holds it until the copy has run.
 
 Layout (int32): ``[work_count, 0, 0, 0][records: W x 12][tickets][page ids given on the host]``; the records start
 16 bytes in, as the kernels read them as int4. With ``use_cuda_graph`` every buffer a kernel reads keeps its
@@ -207,7 +207,8 @@ class MetadataBuffers:
         current stream. A kept buffer's copy goes through RawCuda where it is set; a one-off one through torch."""
         if self.raw is not None and type(slot.event) is RawEvent:
             if dst.numel() < count or slot.size < start + count or not dst.is_contiguous():  # raw: unchecked
-                raise AssertionError(f"metadata copy of {count} ints at {start} into {dst.numel()} ({slot.size} staged)")
+                raise AssertionError(f"metadata copy of {count} ints at {start} into {dst.numel()} "
+                                     f"({slot.size} staged)")
             raw = self.raw
             raw.copy(dst.data_ptr(), slot.tensor.data_ptr() + 4 * start, 4 * count, raw.stream())
         else:

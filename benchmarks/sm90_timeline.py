@@ -15,7 +15,9 @@ T4 -> T5 waiting for P(j-1) V(j-1); T5 -> T6 packing P(j).
 
 Per work item too (the first MAX_ITEMS of each warpgroup, I0..I3): I0 -> I1 waiting for the Q tile (and, over an
 fp8 cache with a bf16 q, converting its rows), I1 -> I2 the main loop, I2 -> I3 the epilogue, I3 -> the next I0 the
-walk to the next item; with the item's kv tile count, so short and long items can be told apart. ``--kv e4m3``
+walk to the next item; with the item's kv tile count, so short and long items can be told apart. An unsplit item's
+epilogue is cut at E1 (O normalized and staged in shared memory) and E2 (the warpgroup's barrier passed; then the
+16-byte global stores), and the walk at W (the top of the next item's iteration, before its work record is read). ``--kv e4m3``
 times the kernel over an e4m3 cache (issue 14's sm90 fp8 path).
 """
 
@@ -37,6 +39,9 @@ MAX_ITEMS = 64
 WGS = 3  # consumer warpgroups a CTA has room for in the records (two, or three for q192kv64)
 PHASES = ("K + turn + issue S", "rescale O + V + issue PV", "pass + wait S", "softmax", "wait PV", "pack P")
 ITEM_PHASES = ("wait Q (+ convert)", "main loop", "epilogue", "to the next item")
+# the finer cuts (slots 5-7 of an item's record; slot 4 holds its kv tile count)
+FINE_PHASES = ("epilogue: normalize + stage O", "epilogue: warpgroup barrier", "epilogue: global stores + lse",
+               "walk: arrive + loop", "walk: read the work record")
 
 _MEMBER = "  bool rescale = false;"
 _STAMP = (_MEMBER + """
@@ -68,10 +73,18 @@ _ITEM_AFTER0 = "      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\
 _ITEM_MAIN = "      mainloop(kr, vr, scale2);\n      epilogue();\n"
 
 
+_EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      constexpr int CHUNKS = D / 8;\n"
+_ITEM_TOP = "    for_each_item(p, [&](int w, int head) {\n      it.kv_head = head;\n"
+
+
 def _stamp_items(src: str, item_base: int) -> str:
-    """Consumer::run with tli(0..3) around the item's phases (item records after the loop records)."""
-    if src.count(_ITEM_AFTER0) != 1 or src.count(_ITEM_MAIN) != 1:
-        raise SystemExit("sm90_timeline.py: the consumer's item loop changed; update _ITEM_AFTER0 and _ITEM_MAIN")
+    """Consumer::run with tli(0..3) around the item's phases, tli(5), tli(6) around the epilogue's barrier and tli(7)
+    at the top of an item's iteration (item records after the loop records)."""
+    if any(src.count(x) != 1 for x in (_ITEM_AFTER0, _ITEM_MAIN, _EPI_SYNC, _ITEM_TOP)):
+        raise SystemExit("sm90_timeline.py: the consumer's item loop or epilogue changed; update _ITEM_AFTER0, "
+                         "_ITEM_MAIN, _EPI_SYNC and _ITEM_TOP")
+    src = src.replace(_EPI_SYNC, "      tli(5);\n" + _EPI_SYNC.replace("128);\n", "128);\n      tli(6);\n", 1))
+    src = src.replace(_ITEM_TOP, _ITEM_TOP + "      tli(7);\n")
     src = src.replace(_ITEM_AFTER0, _ITEM_AFTER0 + "      tli(0);\n")
     src = src.replace(_ITEM_MAIN, "      tli(1);\n      mainloop(kr, vr, scale2);\n      tli(2);\n      epilogue();\n"
                                   "      tli(3);\n      ++tl_item;\n")
@@ -125,6 +138,13 @@ def item_report(stamps) -> dict:
     out = {"items": int(valid.sum()),
            "phase_cycles": {n: float(d[..., i][has_next if i == 3 else valid].mean()) for i, n in
                             enumerate(ITEM_PHASES)}}
+    e1, e2, top = t[..., 5], t[..., 6], t[..., 7]
+    staged = valid & (e1 > 0) & (e2 >= e1)
+    nxt_top = np.concatenate([top[:, 1:], np.zeros_like(top[:, :1])], axis=1)
+    walked = has_next & (nxt_top >= t[..., 3]) & (nxt >= nxt_top)
+    fine = [(e1 - t[..., 2], staged), (e2 - e1, staged), (t[..., 3] - e2, staged), (nxt_top - t[..., 3], walked),
+            (nxt - nxt_top, walked)]
+    out["fine_cycles"] = {n: (float(x[m].mean()) if m.any() else None) for n, (x, m) in zip(FINE_PHASES, fine)}
     tiles = t[..., 4]
     out["by_tiles"] = {int(n): {p: float(d[..., i][valid & (tiles == n)].mean()) for i, p in enumerate(ITEM_PHASES[:3])}
                        for n in np.unique(tiles[valid])[:8]}

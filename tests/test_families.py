@@ -189,9 +189,11 @@ def test_sm90_timeline_tool_still_finds_the_consumer_loop():
                          family="sm90", arch="sm_90a")
     src = tl._stamped(render)(spec).source
     assert src.count("tl(") == 7 + 1 and "++tl_rec;" in src and "clock64()" in src
-    # the per-item stamps (I0..I3) and their region after the loop records, over a 16-bit and an fp8 cache
+    # the per-item stamps (I0..I3, the epilogue's E1 E2 and the walk's W) and their region after the loop records,
+    # over a 16-bit and an fp8 cache
     for kv in ("bf16", "e4m3"):
         src = tl._stamped(render)(tl._spec(True, kv)).source
-        assert src.count("tli(") == 4 + 1 and "++tl_item;" in src and "ITEM_BASE" not in src
+        assert src.count("tli(") == 7 + 1 and "++tl_item;" in src and "ITEM_BASE" not in src
+        assert src.index("tli(5)") < src.index("tli(6)") < src.index("tli(3)")
         assert f"tmp_o) + {tl.ITEM_BASE} +" in src
     assert tl._stamped(render)(spec.replace(family="fa2")).source == render(spec.replace(family="fa2")).source

@@ -271,13 +271,25 @@ def merge_rows() -> dict:
     return row
 
 
-def profiles(path: Path, dev: str, calls: int = 400) -> None:
-    """cProfile of attnjit's plan() on a few rows (each function's own time, the top 30), written to ``path``: what
-    the step timers' "rest" is made of on this host."""
+def _profiled(fn, calls: int) -> str:
+    """cProfile of ``calls`` calls of fn: each function's own time, the top 30."""
     import cProfile
     import io
     import pstats
 
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return text.getvalue()
+
+
+def profiles(path: Path, dev: str, calls: int = 400) -> None:
+    """cProfile of attnjit's plan() on a few rows and of fast_plan() at batch 256, written to ``path``: what the step
+    timers' "rest" is made of on this host."""
     ws = torch.empty(64 << 20, dtype=torch.uint8, device=dev)
     cases = [("decode", 1, "cpu"), ("prefill", 1, "cpu"), ("decode", 256, "cpu"), ("prefill", 1, dev),
              ("decode", 256, dev)]
@@ -286,25 +298,12 @@ def profiles(path: Path, dev: str, calls: int = 400) -> None:
             fn = planner("attnjit", op, ws, metadata(batch, op, where))[1]
             for _ in range(20):
                 fn()
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                fn()
-            prof.disable()
-            text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-            f.write(f"==== {op} batch {batch} metadata on {where}: {calls} calls\n{text.getvalue()}\n")
+            f.write(f"==== {op} batch {batch} metadata on {where}: {calls} calls\n{_profiled(fn, calls)}\n")
         w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_cuda_graph=True)
         meta = metadata(256, "decode", "cpu")
         w.plan(meta["indptr"], meta["indices"], meta["last"], H_Q, H_KV, D, PS, q_data_type=DT)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(calls):
-            w.fast_plan(meta["indptr"], meta["indices"], meta["last"])
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        f.write(f"==== fast_plan batch 256: {calls} calls\n{text.getvalue()}\n")
+        fast = lambda: w.fast_plan(meta["indptr"], meta["indices"], meta["last"])  # noqa: E731
+        f.write(f"==== fast_plan batch 256: {calls} calls\n{_profiled(fast, calls)}\n")
 
 
 def main() -> dict:

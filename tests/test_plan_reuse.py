@@ -358,3 +358,22 @@ def test_the_cache_memo_sees_memory_moved_under_the_same_tensor():
     cache.data = torch.zeros(2, 2, 16, 8, 128, dtype=torch.bfloat16)  # fewer pages than the plan's page table uses
     with pytest.raises(ValueError, match="uses page id 4 but paged_kv_cache has 2 pages"):
         w._check_cache(w._plan, cache)
+
+
+def test_runtime_copies_only_on_a_cuda_device_and_read_back_falls_back_to_the_planner(monkeypatch):
+    """RawCuda (CuPy's runtime calls) is chosen only for a CUDA device and not with ATTNJIT_NATIVE=0; a CPU
+    "device" or a test's fake events keep torch's copies. MetadataBuffers.to_host returns host metadata as it is
+    and gives planner.to_host's answer otherwise (the GPU tests check the runtime read-back itself)."""
+    from attnjit.ops import _upload, planner
+
+    assert _upload.raw_cuda(torch.device("cpu")) is None
+    monkeypatch.setenv("ATTNJIT_NATIVE", "0")
+    assert _upload.raw_cuda(torch.device("cuda", 0)) is None
+    monkeypatch.delenv("ATTNJIT_NATIVE")
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=False, max_work_items=None)
+    assert meta.raw is None
+    assert MetadataBuffers(torch.device("cpu"), False, None, new_event=InFlight).raw is None
+    a, b = i32([0, 3, 5]), i32([2, 1])
+    got = meta.to_host(a, b)
+    assert got[0] is a and got[1] is b
+    assert [t.tolist() for t in meta.to_host(a, b[::1])] == [t.tolist() for t in planner.to_host(a, b)]

@@ -278,8 +278,9 @@ def sweep_sm90(rows, names: str = "") -> list[dict]:
     FlashInfer fa3 and cuDNN in the same process (what the family's default should be; ``attnjit tune`` does this per
     spec on one shape)."""
     from attnjit.families import sm90
+    from benchmarks.sm90_timeline import _spec
 
-    known = {**sm90.CONFIGS, **sm90.CONFIGS_3}  # the rows are head_dim 64 or 128 over a 16-bit cache: both run
+    known = sm90.tile_names(_spec(True, "bf16"))  # the rows' configurations (head_dim 64 or 128, a 16-bit cache)
     tiles = tuple(filter(None, names.split(","))) or tuple(known)
     unknown = [t for t in tiles if t not in known]
     if unknown:

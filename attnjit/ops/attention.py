@@ -1,12 +1,19 @@
 """FlashInfer-compatible attention wrappers: plan() on the host, run() on the GPU.
 
-plan() validates every argument before any device work (``planner``: so the same errors appear on a machine with no
-GPU), decides the kernel family, its tile and the split-KV schedule (``scheduler``), uploads the work list
-(``_upload``), and loads the kernel module (the common tail lives in ``_wrapper``, which these wrappers inherit);
-``_running`` holds the plan it leaves and run()'s checks against it. run() checks its tensors against the plan and
-launches; it compiles, loads, allocates (when given ``out``) and synchronizes nothing, so it can be captured in a
-CUDA graph. With ``use_cuda_graph=True`` the wrapper keeps every buffer a kernel reads at a fixed address: a
-captured run() replays correctly after a new plan() with other lengths and page tables of the same batch size.
+Every plan() validates every argument on the host before any device work (``planner``: a bad one is a ValueError
+or TypeError naming it, the same on a machine with no GPU), picks the kernel family (``backend``; on sm_90a the sm90
+family for wide batches, fa2 for decode-like ones), its tile and the split-KV schedule (``scheduler``), uploads the
+work list (``_upload``) and loads the kernel module, compiling it on a cache miss unless ATTNJIT_JIT=0 (the common
+tail lives in ``_wrapper``, which these wrappers inherit); ``_running`` holds the plan it leaves and run()'s checks
+against it. q_data_type / o_data_type are fp16 or bf16; kv_data_type is q's type (the default) or fp8
+(torch.float8_e4m3fn, torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale /
+v_scale. Metadata may be on the device or the host (host metadata spares a device-to-host copy). A plan belongs to
+its batch: run() with other shapes is an error.
+
+run() checks its tensors against the plan and launches; it compiles, loads, allocates (when given ``out``) and
+synchronizes nothing, so it can be captured in a CUDA graph. With ``use_cuda_graph=True`` the wrapper keeps every
+buffer a kernel reads at a fixed address: a captured run() replays correctly after a new plan() with other lengths
+and page tables of the same batch size.
 
 Tensors a kernel reads or writes through a pointer are checked for what the kernels assume: q, out, k and v move
 16 bytes at a time (16-byte aligned data pointers and strides), lse is dense, out's elements are distinct. Metadata
@@ -62,15 +69,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         logits_soft_cap, window_left, pos_encoding_mode="ALIBI" or "ROPE_LLAMA" (rope_scale, rope_theta),
         custom_mask / packed_custom_mask are built-in variants (FlashInfer's semantics); sm_scale defaults to
         1/sqrt(head_dim). sinks=True adds an attention sink whose values run() takes (``sinks=``; ops/sinks.py).
-        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
-        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
-        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
-        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
-        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
-        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
-        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
-        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
-        captured around run() replays the new plan.
+        Every argument is checked before any device work (a bad one is a ValueError/TypeError naming it); the
+        dtypes, the kernel family (``backend``) and tile, and use_cuda_graph=True's re-plans: as every plan()
+        (this module's docstring).
         """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group, head_dim, page_size, dtypes, opts = self._checked(dict(
@@ -127,15 +128,9 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         int32 in 1..page_size (0 for a request with no pages: its rows are 0, lse -inf, as in FlashInfer). The
         GROUP = num_qo_heads / num_kv_heads query heads of a KV head share each page read; long histories are split
         across CTAs and merged in-kernel (fixed_split_size / disable_split_kv steer it).
-        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
-        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
-        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
-        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
-        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
-        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
-        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
-        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
-        captured around run() replays the new plan.
+        Every argument is checked before any device work (a bad one is a ValueError/TypeError naming it); the
+        dtypes, the kernel family (``backend``) and tile, and use_cuda_graph=True's re-plans: as every plan()
+        (this module's docstring).
         """
         unsupported(block_tables=block_tables, seq_lens=seq_lens, **unused)
         group, head_dim, page_size, dtypes, opts = self._checked(dict(
@@ -209,15 +204,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
 
         qo_indptr: [B+1] int32 (query rows per request), kv_indptr: [B+1] int32 (key rows per request, including
         the new tokens). causal, variants and sm_scale as for the paged prefill wrapper.
-        q_data_type / o_data_type: fp16 or bf16; kv_data_type: q's type (the default) or fp8 (torch.float8_e4m3fn,
-        torch.float8_e5m2, or "e4m3" / "e5m2"), dequantized in the kernel with run()'s k_scale / v_scale.
-        Validates every argument on the host before any device work (a bad one is a ValueError/TypeError naming it),
-        picks the kernel family (``backend``; on sm_90a the sm90 family for wide batches, fa2 for decode-like ones)
-        and its tile, decides the split-KV schedule, uploads the work list and loads the kernel module (compiling it
-        on a cache miss unless ATTNJIT_JIT=0). Metadata may be on the device or the host (host metadata spares a
-        device-to-host copy). A plan belongs to this batch: run() with other shapes is an error. With
-        use_cuda_graph=True later plans of the same batch size rewrite the wrapper's fixed buffers, so a graph
-        captured around run() replays the new plan.
+        Every argument is checked before any device work (a bad one is a ValueError/TypeError naming it); the
+        dtypes, the kernel family (``backend``) and tile, and use_cuda_graph=True's re-plans: as every plan()
+        (this module's docstring).
         """
         unsupported(use_fp16_qk_reduction=use_fp16_qk_reduction, **unused)
         group, head_dim, _, dtypes, opts = self._checked(dict(

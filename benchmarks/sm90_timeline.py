@@ -70,7 +70,8 @@ _AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, sc
 
 # where the per-item stamps go in Consumer::run: after each statement (I0, I3) or before it (I1, I2)
 _ITEM_AFTER0 = "      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\n"
-_ITEM_MAIN = "      mainloop(kr, vr, scale2);\n      epilogue();\n"
+_ITEM_MAIN = "      mainloop(kr, vr, scale2);\n"
+_ITEM_EPI = "      epilogue();\n"
 
 
 _EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      constexpr int CHUNKS = D / 8;\n"
@@ -80,14 +81,14 @@ _ITEM_TOP = "    for_each_item(p, [&](int w, int head) {\n      it.kv_head = hea
 def _stamp_items(src: str, item_base: int) -> str:
     """Consumer::run with tli(0..3) around the item's phases, tli(5), tli(6) around the epilogue's barrier and tli(7)
     at the top of an item's iteration (item records after the loop records)."""
-    if any(src.count(x) != 1 for x in (_ITEM_AFTER0, _ITEM_MAIN, _EPI_SYNC, _ITEM_TOP)):
+    if any(src.count(x) != 1 for x in (_ITEM_AFTER0, _ITEM_MAIN, _ITEM_EPI, _EPI_SYNC, _ITEM_TOP)):
         raise SystemExit("sm90_timeline.py: the consumer's item loop or epilogue changed; update _ITEM_AFTER0, "
-                         "_ITEM_MAIN, _EPI_SYNC and _ITEM_TOP")
+                         "_ITEM_MAIN, _ITEM_EPI, _EPI_SYNC and _ITEM_TOP")
     src = src.replace(_EPI_SYNC, "      tli(5);\n" + _EPI_SYNC.replace("128);\n", "128);\n      tli(6);\n", 1))
     src = src.replace(_ITEM_TOP, _ITEM_TOP + "      tli(7);\n")
     src = src.replace(_ITEM_AFTER0, _ITEM_AFTER0 + "      tli(0);\n")
-    src = src.replace(_ITEM_MAIN, "      tli(1);\n      mainloop(kr, vr, scale2);\n      tli(2);\n      epilogue();\n"
-                                  "      tli(3);\n      ++tl_item;\n")
+    src = src.replace(_ITEM_MAIN, "      tli(1);\n" + _ITEM_MAIN + "      tli(2);\n")
+    src = src.replace(_ITEM_EPI, _ITEM_EPI + "      tli(3);\n      ++tl_item;\n")
     return src.replace("ITEM_BASE", str(item_base))
 
 

@@ -38,6 +38,35 @@ def test_metadata_upload_layout_and_page_ids():
     assert ptr["kv_indices"] == base + 4 * 48 and buf[48:].tolist() == [7, 2, 11, 3]  # strided host ids, dense
 
 
+def test_planning_during_a_graph_capture_is_refused_by_name():
+    """plan() and fast_plan() ask the stream whether it is capturing (RawCuda's cudaStreamIsCapturing, else torch's
+    is_current_stream_capturing) and refuse by name; a stream that is not capturing plans. A CPU workspace has no
+    stream to ask."""
+    from attnjit.ops._upload import MetadataBuffers
+
+    class Raw:   # RawCuda's two calls the check makes
+        def __init__(self, capturing: bool):
+            self.asked, self.state = [], capturing
+
+        def stream(self) -> int:
+            return 1234
+
+        def capturing(self, stream: int) -> bool:
+            self.asked.append(stream)
+            return self.state
+
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=False, max_work_items=None)
+    meta.refuse_capture("X.plan()")                  # CPU: nothing asked, nothing raised
+    meta._pinned = True
+    meta.raw = Raw(False)
+    meta.refuse_capture("X.plan()")
+    assert meta.raw.asked == [1234]
+    meta.raw = Raw(True)
+    with pytest.raises(RuntimeError, match=r"X\.plan\(\) was called while the current CUDA stream is capturing a "
+                                           r"graph.*call plan\(\) before the capture and capture only run\(\)"):
+        meta.refuse_capture("X.plan()")
+
+
 def test_graph_metadata_keeps_its_addresses_and_names_what_to_raise():
     from attnjit.ops._upload import MetadataBuffers
 

@@ -77,7 +77,8 @@ class RawCuda:
         from cupy.cuda import runtime
 
         for name in ("memcpyAsync", "memcpyHostToDevice", "memcpyDeviceToHost", "streamSynchronize",
-                     "eventCreateWithFlags", "eventDisableTiming", "eventRecord", "eventQuery", "eventDestroy"):
+                     "streamIsCapturing", "eventCreateWithFlags", "eventDisableTiming", "eventRecord", "eventQuery",
+                     "eventDestroy"):
             getattr(runtime, name)   # an older CuPy without one: AttributeError, and torch's path serves
         self.rt, self.index = runtime, device_index
         self._device = cupy.cuda.Device(device_index)
@@ -93,6 +94,9 @@ class RawCuda:
 
     def sync(self, stream: int) -> None:
         self.rt.streamSynchronize(stream)
+
+    def capturing(self, stream: int) -> bool:
+        return self.rt.streamIsCapturing(stream) != 0   # cudaStreamCaptureStatus: 0 = not capturing
 
     def event(self) -> "RawEvent":
         with self._device:
@@ -179,6 +183,23 @@ class MetadataBuffers:
             at += n
         raw.sync(stream)
         return out
+
+    def refuse_capture(self, what: str) -> None:
+        """Raise if the current stream is capturing a CUDA graph. A plan's copies would be recorded into the graph
+        (each replay copying whatever a staging buffer holds then) and reading device metadata back synchronizes,
+        which invalidates a capture: either way a wrong answer or a failed capture far from its cause."""
+        if not self._pinned:   # a CPU workspace: nothing is captured
+            return
+        raw = self.raw
+        if raw is not None:
+            capturing = raw.capturing(raw.stream())
+        else:
+            capturing = torch.cuda.is_current_stream_capturing()
+        if capturing:
+            raise RuntimeError(
+                f"{what} was called while the current CUDA stream is capturing a graph. Planning copies metadata "
+                "to the device outside the graph's fixed buffers: call plan() before the capture and capture "
+                "only run(); with use_cuda_graph=True, re-plan between replays (plan() or fast_plan()).")
 
     def check_batch(self, batch: int) -> None:
         if self.graph and self.batch is not None and batch != self.batch:

@@ -239,7 +239,8 @@ class _AttentionWrapper(FlashInferAliases):
     def _checked(self, args: dict[str, Any]) -> tuple:
         """P.plan_scalars(args), or its result for the last plan() when ``args`` has the same values, of the same
         types: an engine plans every step with the same heads, dtypes and options, and those were checked then. A
-        failing check raises every time (nothing is kept)."""
+        failing check raises every time (nothing is kept). Refused while the stream captures a graph."""
+        self._meta.refuse_capture(f"{type(self).__name__}.plan()")
         key = args_key(tuple(args.values()))
         memo = self._args_memo
         if key is not None and memo is not None and memo[0] == key:

@@ -13,7 +13,8 @@ its batch: run() with other shapes is an error.
 run() checks its tensors against the plan and launches; it compiles, loads, allocates (when given ``out``) and
 synchronizes nothing, so it can be captured in a CUDA graph. With ``use_cuda_graph=True`` the wrapper keeps every
 buffer a kernel reads at a fixed address: a captured run() replays correctly after a new plan() with other lengths
-and page tables of the same batch size.
+and page tables of the same batch size. plan() and fast_plan() themselves are refused (a RuntimeError naming them)
+while the current stream captures a graph: plan before the capture, capture run().
 
 Tensors a kernel reads or writes through a pointer are checked for what the kernels assume: q, out, k and v move
 16 bytes at a time (16-byte aligned data pointers and strides), lse is dense, out's elements are distinct. Metadata
@@ -164,6 +165,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                              "has none: call plan()")
         if plan is None:
             raise RuntimeError("fast_plan() called before plan(): it keeps that plan's heads, dtypes and options")
+        self._meta.refuse_capture("BatchDecodeWithPagedKVCacheWrapper.fast_plan()")
         batch = self._read_decode(indptr, indices, last_page_len, plan.page_size)
         self._check_graph_plan(plan.spec, batch)
         work = _schedule(batch, plan.sched)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 import attnjit
@@ -163,6 +164,32 @@ def test_cuda_graph_decode_replays_after_fast_plan():
         ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=PS)
         assert_close(out_buf, ref, DT, what=f"replay {step}")
     assert splits[1] and not splits[0], splits
+
+
+def test_plan_inside_a_graph_capture_is_refused_by_name():
+    """plan() and fast_plan() while the stream captures a graph raise a RuntimeError naming the call; the capture
+    ends cleanly and the wrapper still plans and runs afterwards."""
+    pool = 64
+    cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(3)).to(DT).to(DEV)
+    ws = torch.empty(16 << 20, dtype=torch.uint8, device=DEV)
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
+                                                   paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32,
+                                                                                       device=DEV))
+    indptr, indices, last = page_tables((40, 7), PS, pool, seed=1)
+    host = (i32(indptr), i32(indices), i32(last))
+    w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT)
+    torch.cuda.synchronize()
+    for call, what in ((lambda: w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT), r"\.plan\(\)"),
+                       (lambda: w.fast_plan(*host), r"\.fast_plan\(\)")):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match=what + r" was called while the current CUDA stream is capturing"):
+            with torch.cuda.graph(graph):
+                call()
+    w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT)
+    q = torch.randn(2, H_Q, D, generator=torch.Generator().manual_seed(4)).to(DT).to(DEV)
+    out = w.run(q, cache)
+    ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=PS)
+    assert_close(out, ref, DT, what="after the refused captures")
 
 
 def test_metadata_copies_go_through_the_runtime_and_match_torchs(monkeypatch):

@@ -4,6 +4,8 @@ graph-mode decode fast re-plan (issue 13 item 1)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -38,7 +40,7 @@ def test_metadata_upload_layout_and_page_ids():
     assert ptr["kv_indices"] == base + 4 * 48 and buf[48:].tolist() == [7, 2, 11, 3]  # strided host ids, dense
 
 
-def test_planning_during_a_graph_capture_is_refused_by_name():
+def test_planning_during_a_graph_capture_is_refused_by_name(monkeypatch):
     """plan() and fast_plan() ask the stream whether it is capturing (RawCuda's cudaStreamIsCapturing, else torch's
     is_current_stream_capturing) and refuse by name; a stream that is not capturing plans. A CPU workspace has no
     stream to ask."""
@@ -65,6 +67,11 @@ def test_planning_during_a_graph_capture_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"X\.plan\(\) was called while the current CUDA stream is capturing a "
                                            r"graph.*call plan\(\) before the capture and capture only run\(\)"):
         meta.refuse_capture("X.plan()")
+    meta.raw = None                                  # no CuPy (or ATTNJIT_NATIVE=0): torch is asked
+    for state in (False, True):
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda state=state: state)
+        with pytest.raises(RuntimeError, match="capturing") if state else contextlib.nullcontext():
+            meta.refuse_capture("X.plan()")
 
 
 def test_graph_metadata_keeps_its_addresses_and_names_what_to_raise():

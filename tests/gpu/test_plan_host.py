@@ -128,15 +128,19 @@ def test_device_metadata_is_read_in_one_synchronizing_copy(monkeypatch):
     assert decode._plan.max_page == prefill._plan.max_page == max(i32(b.kv_indices, "cpu").tolist())
 
 
+def _graph_decode(pool: int, seed: int):
+    """A random paged cache of ``pool`` pages and a use_cuda_graph=True decode wrapper with a page-id buffer as long."""
+    cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(seed)).to(DT).to(DEV)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    ids = torch.zeros(pool, dtype=torch.int32, device=DEV)
+    return cache, attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indices_buffer=ids)
+
+
 def test_cuda_graph_decode_replays_after_fast_plan():
     """Capture run() once after plan(); each later step only calls fast_plan() with host metadata (other lengths and
     page tables, a split and an unsplit step among them) and replays: every replay matches the reference."""
     pool = 3000
-    cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(11)).to(DT).to(DEV)
-    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
-    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
-                                                   paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32,
-                                                                                       device=DEV))
+    cache, w = _graph_decode(pool, seed=11)
     batch = 6
     q_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
     out_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
@@ -170,11 +174,7 @@ def test_plan_inside_a_graph_capture_is_refused_by_name():
     """plan() and fast_plan() while the stream captures a graph raise a RuntimeError naming the call; the capture
     ends cleanly and the wrapper still plans and runs afterwards."""
     pool = 64
-    cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(3)).to(DT).to(DEV)
-    ws = torch.empty(16 << 20, dtype=torch.uint8, device=DEV)
-    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True,
-                                                   paged_kv_indices_buffer=torch.zeros(pool, dtype=torch.int32,
-                                                                                       device=DEV))
+    cache, w = _graph_decode(pool, seed=3)
     indptr, indices, last = page_tables((40, 7), PS, pool, seed=1)
     host = (i32(indptr), i32(indices), i32(last))
     w.plan(*host, H_Q, H_KV, D, PS, q_data_type=DT)

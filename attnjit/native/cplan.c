@@ -25,6 +25,21 @@
  * indptr[B], max_page the largest of indices[:used] (-1 for none); otherwise the first rule broken (1 indptr[0] != 0
  * or decreasing, 2 indptr[B] > len(indices), 3 a last_page_len outside 1..page_size (0 for a request without
  * pages), 4 a KV length above max_kv_len, 5 a negative page id), and read_paged in Python raises its message.
+ *
+ *   fast_decode(indptr, last_page_len, indices, batch, n_indices, page_size, max_kv_len, num_pages, staging,
+ *               rec_cap, at_tickets, ticket_cap, ids_at, ids_cap, group, cta_q, cta_kv, causal, num_kv_heads,
+ *               slots, max_slots, allow_split, fixed_chunk, max_items)
+ *     -> (status, count, chunk, num_groups, num_slots, split_requests, used, max_page, total)
+ *
+ * Graph mode's decode re-plan (MetadataBuffers.fast_decode) in one call: read_paged's checks of a host page table
+ * (one query row per request), the page ids against the cache a replay reads (num_pages; -1: not known yet),
+ * plan_work, and the staging buffer written as the fixed device buffer's image: [count, 0, 0, 0], the records
+ * (at most rec_cap), the tickets zeroed (at most ticket_cap, from at_tickets), the page ids copied to ids_at (at
+ * most ids_cap). indptr, last_page_len, indices: addresses of dense host int32 arrays of batch + 1, batch and
+ * n_indices entries (the caller has checked each tensor); staging: a writable int32 buffer of at least
+ * ids_at + ids_cap ints. total: the ints of staging the device copy must carry. status 0: all written; otherwise
+ * nothing is to be copied and the full Python path plans again and raises its error: 1..5 read_paged's, 6 a page
+ * id >= num_pages, 7 more page ids than ids_cap, 8 more tickets than ticket_cap, 10 + plan_work's status.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -406,9 +421,101 @@ f_ind:
   return NULL;
 }
 
+/* fast_decode: see the top of this file. The table is read in read_paged's order; every check before a write
+ * that a device copy would carry (the caller copies nothing unless the status is 0). */
+static PyObject *py_fast_decode(PyObject *self, PyObject *args) {
+  (void)self;
+  unsigned long long a_ind, a_last, a_ids;
+  long long b, n_ids, page_size, max_kv_len, num_pages, rec_cap, at_tickets, ticket_cap, ids_at, ids_cap;
+  long long group, cta_q, cta_kv, heads, slots, max_slots, fixed_chunk, max_items;
+  int causal, allow_split;
+  PyObject *ostage;
+  if (!PyArg_ParseTuple(args, "KKKLLLLLOLLLLLLLLpLLLpLL", &a_ind, &a_last, &a_ids, &b, &n_ids, &page_size,
+                        &max_kv_len, &num_pages, &ostage, &rec_cap, &at_tickets, &ticket_cap, &ids_at, &ids_cap,
+                        &group, &cta_q, &cta_kv, &causal, &heads, &slots, &max_slots, &allow_split, &fixed_chunk,
+                        &max_items))
+    return NULL;
+  if (b < 1 || b > LIMIT || n_ids < 0 || page_size < 1 || rec_cap < 0 || ticket_cap < 0 || ids_cap < 0 ||
+      at_tickets < 4 + FIELDS * rec_cap || ids_at < at_tickets + ticket_cap || group < 1 || group > 4096 ||
+      cta_q < 1 || cta_q > 4096 || cta_kv < 1 || cta_kv > 4096 || heads < 1 || heads > (1 << 20) || slots < 0 ||
+      max_slots < 0 || !a_ind || !a_last || (n_ids && !a_ids)) {
+    PyErr_SetString(PyExc_ValueError, "_cplan.fast_decode: arguments out of range (see cplan.c)");
+    return NULL;
+  }
+  if (fixed_chunk > LIMIT) fixed_chunk = LIMIT;
+  Py_buffer st;
+  if (PyObject_GetBuffer(ostage, &st, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0) return NULL;
+  if (st.itemsize != 4 || st.len / 4 < ids_at + ids_cap) {
+    PyErr_SetString(PyExc_TypeError, "_cplan.fast_decode: staging must be a writable int32 buffer of at least "
+                                     "ids_at + ids_cap ints");
+    PyBuffer_Release(&st);
+    return NULL;
+  }
+  const int32_t *ind = (const int32_t *)(uintptr_t)a_ind, *last = (const int32_t *)(uintptr_t)a_last;
+  const int32_t *ids = (const int32_t *)(uintptr_t)a_ids;
+  int32_t *host = (int32_t *)st.buf;
+  int64_t status = 0, used = 0, max_page = -1, total = 0;
+  Result r = {0, 0, -1, 0, 0, 0};
+  int64_t *mem = (int64_t *)malloc((size_t)(4 * b) * sizeof(int64_t));
+  if (!mem) {
+    PyBuffer_Release(&st);
+    return PyErr_NoMemory();
+  }
+  Py_BEGIN_ALLOW_THREADS
+  int64_t *q = mem, *kv = mem + b, *off = mem + 2 * b, *base = mem + 3 * b;
+  if (ind[0] != 0) status = 1;
+  for (int64_t i = 0; !status && i < b; ++i) {
+    const int64_t lo = ind[i], pages = (int64_t)ind[i + 1] - lo, l = last[i];
+    if (pages < 0) {
+      status = 1;
+    } else if (pages ? (l < 1 || l > page_size) : l != 0) {
+      status = 3;
+    } else {
+      kv[i] = pages ? page_size * (pages - 1) + l : 0;
+      if (kv[i] > max_kv_len) status = 4;
+      base[i] = lo;
+      q[i] = 1;
+      off[i] = i;
+    }
+  }
+  if (!status) {
+    used = ind[b];
+    if (used > n_ids) status = 2;
+    else if (used > ids_cap) status = 7;
+  }
+  if (!status && used > 0) {
+    int32_t lo, hi;
+    memcpy(host + ids_at, ids, (size_t)used * 4);
+    range32(host + ids_at, used, &lo, &hi);
+    if (lo < 0) status = 5;
+    else if (num_pages >= 0 && hi >= num_pages) status = 6;
+    max_page = hi;
+  }
+  if (!status) {
+    r = plan(b, q, kv, off, base, host + 4, rec_cap, group, cta_q, cta_kv, causal, heads, slots, max_slots,
+             allow_split, fixed_chunk, max_items);
+    if (r.status) status = 10 + r.status;
+    else if (r.num_groups * heads > ticket_cap) status = 8;
+  }
+  if (!status) {
+    const int64_t tickets = r.num_groups * heads;
+    host[0] = (int32_t)r.count;
+    host[1] = host[2] = host[3] = 0;
+    if (tickets) memset(host + at_tickets, 0, (size_t)tickets * 4);
+    total = used ? ids_at + used : tickets ? at_tickets + tickets : 4 + FIELDS * r.count;
+  }
+  Py_END_ALLOW_THREADS
+  free(mem);
+  PyBuffer_Release(&st);
+  return Py_BuildValue("(LLLLLLLLL)", (long long)status, (long long)r.count, (long long)r.chunk,
+                       (long long)r.num_groups, (long long)r.num_slots, (long long)r.split_requests,
+                       (long long)used, (long long)max_page, (long long)total);
+}
+
 static PyMethodDef methods[] = {
     {"plan_work", py_plan_work, METH_VARARGS, "The split-KV work list (see attnjit/native/cplan.c)."},
     {"read_paged", py_read_paged, METH_VARARGS, "The host page table's checks and lengths (see cplan.c)."},
+    {"fast_decode", py_fast_decode, METH_VARARGS, "Graph mode's decode re-plan into a staging image (see cplan.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from .. import dispatch, knobs
-from .planner import dense_page_ids, to_host
-from .scheduler import RECORD_FIELDS
+from .planner import MAX_KV_LEN, dense_page_ids, to_host
+from .scheduler import MAX_WORK_ITEMS, RECORD_FIELDS, WorkPlan, _cplan
 
 RECORD = len(RECORD_FIELDS)  # ints per work record
 _HEAD = 4    # work_count, padded to 16 bytes
@@ -271,6 +271,52 @@ class MetadataBuffers:
                 keep.append(t)
                 ptr["kv_indices"] = t.data_ptr()
         return ptr
+
+    def fast_decode(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, *,
+                    page_size: int, sched: dict, num_pages: int | None) -> tuple[WorkPlan, int] | None:
+        """Graph mode's decode re-plan (fast_plan()) in one compiled call and one copy: the host page table read and
+        checked, the page ids ranged (against ``num_pages``, the cache a replay reads, where known), the work list
+        scheduled with ``sched`` (plan_work's arguments), all written into a staging buffer as the image of the
+        fixed buffers, then copied (one copy; two where the engine passed its own page-id buffer). Returns (the work
+        plan, the largest page id), or None where this path does not apply (metadata that is not dense int32 on the
+        host, no compiled core, ATTNJIT_NATIVE=0, no plan uploaded yet) or where the table breaks a rule or does not fit: then nothing was
+        copied and the caller plans through the full path (read_paged, plan_work, upload), which raises the error
+        in its words. Both paths write the same bytes (tests/test_fast_plan.py)."""
+        caps, batch, fixed_ids = self.caps, self.batch, self.fixed_page_ids
+        if caps is None or batch is None or fixed_ids is None or _cplan is None or not knobs.NATIVE.get():
+            return None
+        for t in (indptr, indices, last_page_len):
+            if type(t) is not torch.Tensor or t.dtype is not torch.int32 or t.dim() != 1 or not t.is_cpu \
+                    or not t.is_contiguous():
+                return None
+        fixed_chunk = sched["fixed_chunk"]
+        if indptr.numel() != batch + 1 or last_page_len.numel() != batch or (fixed_chunk is not None and fixed_chunk < 1):
+            return None
+        fixed, n_ids = self.fixed_meta, indices.numel()
+        at_tickets = _HEAD + RECORD * caps[0]
+        own = self.ids_at is not None   # the wrapper's page-id buffer, in fixed_meta: one copy; else the engine's: two
+        ids_at = self.ids_at if own else -(-(at_tickets + caps[1]) // 4) * 4
+        ids_cap = min(fixed.numel() - ids_at if own else fixed_ids.numel(), n_ids)
+        slot = self._slot(ids_at + ids_cap)
+        tile = sched["tile"]
+        status, count, chunk, groups, slots, split, used, max_page, total = _cplan.fast_decode(
+            indptr.data_ptr(), last_page_len.data_ptr(), indices.data_ptr(), batch, n_ids, page_size, MAX_KV_LEN,
+            -1 if num_pages is None else num_pages, slot.host, caps[0], at_tickets, caps[1], ids_at, ids_cap,
+            sched["group"], tile.cta_q, tile.cta_kv, sched["causal"], sched["num_kv_heads"], sched["slots"],
+            sched["max_slots"], sched["allow_split"], -1 if fixed_chunk is None else fixed_chunk, MAX_WORK_ITEMS)
+        if status:
+            return None
+        if own:
+            self._copy(fixed, slot, 0, total)
+        else:
+            tickets = groups * sched["num_kv_heads"]
+            self._copy(fixed, slot, 0, at_tickets + tickets if tickets else _HEAD + RECORD * count)
+            if used:
+                self._copy(fixed_ids, slot, ids_at, used)
+        slot.copied()
+        records = slot.host[_HEAD:_HEAD + RECORD * count].reshape(count, RECORD).copy()
+        return WorkPlan(tile=tile, records=records, num_groups=groups, chunk=None if chunk < 0 else chunk,
+                        num_slots=slots, split_requests=split, slots_target=sched["slots"]), max_page
 
     def _upload_graph(self, records: np.ndarray, items: int, tickets: int, num_kv_heads: int,
                       page_ids: torch.Tensor | None, used: int, keep: list) -> dict[str, int]:

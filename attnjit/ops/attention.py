@@ -166,6 +166,13 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         if plan is None:
             raise RuntimeError("fast_plan() called before plan(): it keeps that plan's heads, dtypes and options")
         self._meta.refuse_capture("BatchDecodeWithPagedKVCacheWrapper.fast_plan()")
+        if plan.on_gpu:  # host metadata, the common case: read, checked, scheduled and staged in one compiled call
+            fast = self._meta.fast_decode(indptr, indices, last_page_len, page_size=plan.page_size, sched=plan.sched,
+                                          num_pages=self._graph_num_pages)
+            if fast is not None:
+                plan.work, plan.max_page = fast
+                return
+        # the full path: device metadata, no compiled core, or a table the fast path refused (raised here)
         batch = self._read_decode(indptr, indices, last_page_len, plan.page_size)
         self._check_graph_plan(plan.spec, batch)
         work = _schedule(batch, plan.sched)

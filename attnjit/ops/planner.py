@@ -378,9 +378,7 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_r
     with the rest of the metadata), else with a synchronizing read of their min and max."""
     if not used:
         return -1
-    if page_range is not None and len(page_range) == 1:   # the page ids themselves, copied to the host
-        indices = page_range[0]
-    if page_range is not None and len(page_range) == 2:  # device page ids' (min, max)
+    if page_range is not None:  # device page ids' (min, max)
         lo, hi = int(page_range[0]), int(page_range[1])
     elif indices.device.type == "cpu":
         ids = indices[:used]
@@ -404,10 +402,12 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_r
 def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor, indices: torch.Tensor,
                last_page_len: torch.Tensor, *, page_size: int, page_range=None) -> Batch:
     """A page table (indptr [B+1] and last_page_len [B] on the host, indices anywhere; all checked by check_meta)
-    and the query rows qo [B+1] -> the Batch. ``page_range``: device page ids' (min, max) from
-    device_page_range, on the host. Host page ids are read by the compiled reader where it is built (the same
-    checks; a table it refuses is read again here, for the message)."""
+    and the query rows qo [B+1] -> the Batch. ``page_range``: device_page_range's result, copied to the host:
+    the page ids themselves (then read as host ones) or their (min, max). Host page ids are read by the compiled
+    reader where it is built (the same checks; a table it refuses is read again here, for the message)."""
     b = indptr.numel() - 1
+    if page_range is not None and len(page_range) == 1:  # device page ids, copied to the host: read as host ones
+        indices, page_range = page_range[0], None
     if page_range is None and indices.device.type == "cpu" and b >= 0 and knobs.NATIVE.get() and _cplan is not None:
         kv_lens, kv_bases = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
         status, used, max_page = _cplan.read_paged(indptr.numpy(), last_page_len.numpy(), indices.numpy(), page_size,

@@ -128,23 +128,34 @@ def test_device_metadata_is_read_in_one_synchronizing_copy(monkeypatch):
     assert decode._plan.max_page == prefill._plan.max_page == max(i32(b.kv_indices, "cpu").tolist())
 
 
-def _graph_decode(pool: int, seed: int):
-    """A random paged cache of ``pool`` pages and a use_cuda_graph=True decode wrapper with a page-id buffer as long."""
+def _graph_decode(pool: int, seed: int, engine_ids: bool = True):
+    """A random paged cache of ``pool`` pages and a use_cuda_graph=True decode wrapper with a page-id buffer as long
+    (engine_ids; else the wrapper's own, sized by the first plan)."""
     cache = torch.randn(pool, 2, PS, H_KV, D, generator=torch.Generator().manual_seed(seed)).to(DT).to(DEV)
     ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
-    ids = torch.zeros(pool, dtype=torch.int32, device=DEV)
+    ids = torch.zeros(pool, dtype=torch.int32, device=DEV) if engine_ids else None
     return cache, attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, use_cuda_graph=True, paged_kv_indices_buffer=ids)
 
 
-def test_cuda_graph_decode_replays_after_fast_plan():
+@pytest.mark.parametrize("engine_ids", [True, False], ids=["engine-ids", "own-ids"])
+def test_cuda_graph_decode_replays_after_fast_plan(engine_ids, monkeypatch):
     """Capture run() once after plan(); each later step only calls fast_plan() with host metadata (other lengths and
-    page tables, a split and an unsplit step among them) and replays: every replay matches the reference."""
+    page tables, a split and an unsplit step among them) and replays: every replay matches the reference. Each
+    fast_plan() takes the compiled path (MetadataBuffers.fast_decode), with the engine's page-id buffer or the
+    wrapper's own (sized by the first plan: the longest step comes first there)."""
+    from attnjit.ops._upload import MetadataBuffers
+
+    fast = []
+    real = MetadataBuffers.fast_decode
+    monkeypatch.setattr(MetadataBuffers, "fast_decode", lambda *a, **k: fast.append(real(*a, **k)) or fast[-1])
     pool = 3000
-    cache, w = _graph_decode(pool, seed=11)
+    cache, w = _graph_decode(pool, seed=11, engine_ids=engine_ids)
     batch = 6
     q_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
     out_buf = torch.zeros(batch, H_Q, D, dtype=DT, device=DEV)
     steps = [(5, 17, 64, 100, 1, 33), (9000, 20, 1, 700, 4100, 16), (300, 301, 302, 1, 2, 3), (1, 1, 1, 1, 1, 1)]
+    if not engine_ids:
+        steps[:2] = steps[1::-1]
     graph, splits = None, []
     for step, kv_lens in enumerate(steps):
         indptr, indices, last = page_tables(kv_lens, PS, pool, seed=step)
@@ -167,7 +178,8 @@ def test_cuda_graph_decode_replays_after_fast_plan():
         torch.cuda.synchronize()
         ref, _ = reference.batch_decode(q, cache, indptr, indices, last, page_size=PS)
         assert_close(out_buf, ref, DT, what=f"replay {step}")
-    assert splits[1] and not splits[0], splits
+    assert any(splits) and not all(splits), splits
+    assert len(fast) == len(steps) - 1 and all(f is not None for f in fast), "a fast_plan() took the full path"
 
 
 def test_plan_inside_a_graph_capture_is_refused_by_name():

@@ -26,6 +26,15 @@
  * or decreasing, 2 indptr[B] > len(indices), 3 a last_page_len outside 1..page_size (0 for a request without
  * pages), 4 a KV length above max_kv_len, 5 a negative page id), and read_paged in Python raises its message.
  *
+ *   read_prefill(qo_indptr, indptr, last_page_len, indices, page_size, max_kv_len, max_qo_rows, qo_out, qo_lens,
+ *                kv_lens, kv_bases) -> (status, used, max_page, max_qo_len, causal_ok)
+ *
+ * A prefill plan's host metadata in one call: qo_indptr [B+1] (int32, strided views too) checked as
+ * planner.read_qo_indptr checks it and written to qo_out (int64 [B+1]) with qo_lens (int64 [B]), then read_paged's
+ * table. status 0: as read_paged's, and max_qo_len the longest request's query rows, causal_ok whether every
+ * request has qo_len <= kv_len; 1..5 read_paged's; 6 qo_indptr[0] != 0 or decreasing; 7 qo_indptr[B] > max_qo_rows;
+ * 8 the three tensors' lengths disagree. On any status but 0 the Python reader runs and raises its error.
+ *
  *   fast_decode(indptr, last_page_len, indices, batch, n_indices, page_size, max_kv_len, num_pages, staging,
  *               rec_cap, at_tickets, ticket_cap, ids_at, ids_cap, group, cta_q, cta_kv, causal, num_kv_heads,
  *               slots, max_slots, allow_split, fixed_chunk, max_items)
@@ -345,29 +354,12 @@ static void range32(const int32_t *v, int64_t n, int32_t *lo_out, int32_t *hi_ou
 
 #define AT(view, i) (*(const int32_t *)((const char *)(view).buf + (i) * (view).strides[0]))
 
-static PyObject *py_read_paged(PyObject *self, PyObject *args) {
-  (void)self;
-  PyObject *oind, *olast, *oids, *olens, *obases;
-  long long page_size, max_kv_len;
-  if (!PyArg_ParseTuple(args, "OOOLLOO", &oind, &olast, &oids, &page_size, &max_kv_len, &olens, &obases)) return NULL;
-  Py_buffer ind, last, ids, lens, bases;
-  if (int32_view(oind, &ind, "indptr") < 0) return NULL;
-  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
-  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
-  const Py_ssize_t b = ind.shape[0] - 1;
-  if (b < 0 || last.shape[0] != b) {
-    PyErr_SetString(PyExc_ValueError, "_cplan.read_paged: indptr must have len(last_page_len) + 1 >= 1 entries");
-    goto f_ids;
-  }
-  if (int64_buffer(olens, &lens, "kv_lens", b) < 0) goto f_ids;
-  if (int64_buffer(obases, &bases, "kv_bases", b) < 0) goto f_lens;
-  if (lens.readonly || bases.readonly) {
-    PyErr_SetString(PyExc_TypeError, "_cplan.read_paged: kv_lens and kv_bases must be writable");
-    goto f_bases;
-  }
+/* read_paged's checks and lengths of a page table of b requests (the GIL released by the caller). */
+static int64_t read_table(const Py_buffer *ind_, const Py_buffer *last_, const Py_buffer *ids_, Py_ssize_t b,
+                          int64_t page_size, int64_t max_kv_len, int64_t *kv, int64_t *base, int64_t *used_out,
+                          int64_t *max_page_out) {
+  const Py_buffer ind = *ind_, last = *last_, ids = *ids_;
   int64_t status = 0, used = 0, max_page = -1;
-  Py_BEGIN_ALLOW_THREADS
-  int64_t *kv = (int64_t *)lens.buf, *base = (int64_t *)bases.buf;
   if (AT(ind, 0) != 0) status = 1;
   for (Py_ssize_t i = 0; !status && i < b; ++i) {
     const int64_t lo = AT(ind, i), hi = AT(ind, i + 1), l = AT(last, i), pages = hi - lo;
@@ -401,6 +393,35 @@ static PyObject *py_read_paged(PyObject *self, PyObject *args) {
     if (lo < 0) status = 5;
     max_page = hi;
   }
+  *used_out = used;
+  *max_page_out = max_page;
+  return status;
+}
+
+static PyObject *py_read_paged(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *oind, *olast, *oids, *olens, *obases;
+  long long page_size, max_kv_len;
+  if (!PyArg_ParseTuple(args, "OOOLLOO", &oind, &olast, &oids, &page_size, &max_kv_len, &olens, &obases)) return NULL;
+  Py_buffer ind, last, ids, lens, bases;
+  if (int32_view(oind, &ind, "indptr") < 0) return NULL;
+  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
+  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
+  const Py_ssize_t b = ind.shape[0] - 1;
+  if (b < 0 || last.shape[0] != b) {
+    PyErr_SetString(PyExc_ValueError, "_cplan.read_paged: indptr must have len(last_page_len) + 1 >= 1 entries");
+    goto f_ids;
+  }
+  if (int64_buffer(olens, &lens, "kv_lens", b) < 0) goto f_ids;
+  if (int64_buffer(obases, &bases, "kv_bases", b) < 0) goto f_lens;
+  if (lens.readonly || bases.readonly) {
+    PyErr_SetString(PyExc_TypeError, "_cplan.read_paged: kv_lens and kv_bases must be writable");
+    goto f_bases;
+  }
+  int64_t status, used, max_page;
+  Py_BEGIN_ALLOW_THREADS
+  status = read_table(&ind, &last, &ids, b, page_size, max_kv_len, (int64_t *)lens.buf, (int64_t *)bases.buf, &used,
+                      &max_page);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&bases);
   PyBuffer_Release(&lens);
@@ -419,6 +440,67 @@ f_last:
 f_ind:
   PyBuffer_Release(&ind);
   return NULL;
+}
+
+/* read_prefill: read_paged's table after qo_indptr's checks (see the top of this file). */
+static PyObject *py_read_prefill(PyObject *self, PyObject *args) {
+  (void)self;
+  PyObject *oqo, *oind, *olast, *oids, *oq64, *oqlens, *olens, *obases;
+  long long page_size, max_kv_len, max_qo_rows;
+  if (!PyArg_ParseTuple(args, "OOOOLLLOOOO", &oqo, &oind, &olast, &oids, &page_size, &max_kv_len, &max_qo_rows,
+                        &oq64, &oqlens, &olens, &obases))
+    return NULL;
+  Py_buffer qo, ind, last, ids, out[4];
+  PyObject *outs[4] = {oq64, oqlens, olens, obases};
+  static const char *names[4] = {"qo_indptr_out", "qo_lens", "kv_lens", "kv_bases"};
+  int got = 0;
+  PyObject *ret = NULL;
+  if (int32_view(oqo, &qo, "qo_indptr") < 0) return NULL;
+  if (int32_view(oind, &ind, "indptr") < 0) goto f_qo;
+  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
+  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
+  const Py_ssize_t b = qo.shape[0] - 1;
+  if (b < 0 || ind.shape[0] != b + 1 || last.shape[0] != b) {
+    ret = Py_BuildValue("(LLLLL)", 8LL, 0LL, -1LL, 0LL, 0LL); /* lengths disagree: Python's checks say how */
+    goto f_ids;
+  }
+  for (; got < 4; ++got) {
+    if (int64_buffer(outs[got], &out[got], names[got], got ? b : b + 1) < 0) goto f_outs;
+    if (out[got].readonly) {
+      PyErr_SetString(PyExc_TypeError, "_cplan.read_prefill: the output buffers must be writable");
+      PyBuffer_Release(&out[got]);
+      goto f_outs;
+    }
+  }
+  int64_t status = 0, used = 0, max_page = -1, max_qo = 0, causal_ok = 1;
+  Py_BEGIN_ALLOW_THREADS
+  int64_t *q64 = (int64_t *)out[0].buf, *ql = (int64_t *)out[1].buf, *kv = (int64_t *)out[2].buf;
+  q64[0] = AT(qo, 0);
+  if (q64[0] != 0) status = 6;
+  for (Py_ssize_t i = 0; !status && i < b; ++i) {
+    q64[i + 1] = AT(qo, i + 1);
+    ql[i] = q64[i + 1] - q64[i];
+    if (ql[i] < 0) status = 6;
+    else if (ql[i] > max_qo) max_qo = ql[i];
+  }
+  if (!status && q64[b] > max_qo_rows) status = 7;
+  if (!status)
+    status = read_table(&ind, &last, &ids, b, page_size, max_kv_len, kv, (int64_t *)out[3].buf, &used, &max_page);
+  for (Py_ssize_t i = 0; !status && causal_ok && i < b; ++i) causal_ok = ql[i] <= kv[i];
+  Py_END_ALLOW_THREADS
+  ret = Py_BuildValue("(LLLLL)", (long long)status, (long long)used, (long long)max_page, (long long)max_qo,
+                      (long long)causal_ok);
+f_outs:
+  while (got-- > 0) PyBuffer_Release(&out[got]);
+f_ids:
+  PyBuffer_Release(&ids);
+f_last:
+  PyBuffer_Release(&last);
+f_ind:
+  PyBuffer_Release(&ind);
+f_qo:
+  PyBuffer_Release(&qo);
+  return ret;
 }
 
 /* fast_decode: see the top of this file. The table is read in read_paged's order; every check before a write
@@ -515,6 +597,7 @@ static PyObject *py_fast_decode(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"plan_work", py_plan_work, METH_VARARGS, "The split-KV work list (see attnjit/native/cplan.c)."},
     {"read_paged", py_read_paged, METH_VARARGS, "The host page table's checks and lengths (see cplan.c)."},
+    {"read_prefill", py_read_prefill, METH_VARARGS, "qo_indptr's checks, then read_paged's (see cplan.c)."},
     {"fast_decode", py_fast_decode, METH_VARARGS, "Graph mode's decode re-plan into a staging image (see cplan.c)."},
     {NULL, NULL, 0, NULL},
 };

@@ -192,7 +192,7 @@ class _AttentionWrapper(FlashInferAliases):
         # plan's, which the captured graph replays)
         graph = self._graph_plan()
         forced = graph.spec.family if graph is not None else self._family
-        family = families.for_batch(spec, forced=forced, max_packed_rows=int(qo_lens.max(initial=0)) * group,
+        family = families.for_batch(spec, forced=forced, max_packed_rows=batch.longest_qo() * group,
                                     backend=self._backend)
         if family != spec.family:
             spec = with_family(spec, family)
@@ -490,6 +490,9 @@ class _PagedMixin:
                 P.check_meta(name, t, dev)
             rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
             qo_h, kvp, last, *rng = self._meta.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
+            batch = P.read_prefill(qo_h, kvp, indices, last, page_size=page_size, page_range=rng or None)
+            if batch is not None:   # the compiled reader: every rule holds
+                return batch
             qo = P.read_qo_indptr("qo_indptr", qo_h)
             P.check_meta(n_indptr, indptr, dev, len(qo))
             P.check_meta(n_last, last_page_len, dev, len(qo) - 1)

@@ -219,6 +219,11 @@ class Batch:
     max_page: int = -1      # largest page id the plan uses (-1: none); run() checks it against the cache
     num_page_ids: int = 0   # paged: indptr[-1], the page-table entries the kernels read
     total_kv: int = 0       # ragged: kv_indptr[-1]
+    max_qo_len: int | None = None   # the longest request's query rows, where the reader computed it
+    causal_ok: bool | None = None   # every qo_len <= kv_len, where the reader checked it (check_causal)
+
+    def longest_qo(self) -> int:
+        return self.max_qo_len if self.max_qo_len is not None else int(self.qo_lens.max(initial=0))
 
     @property
     def batch_size(self) -> int:
@@ -428,6 +433,30 @@ def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor
                  num_page_ids=used)
 
 
+def read_prefill(qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+                 *, page_size: int, page_range=None) -> Batch | None:
+    """A prefill plan's host metadata (qo_indptr, then the page table) in one compiled call (cplan.c read_prefill):
+    read_qo_indptr's and read_paged's checks, the longest request and the causal rule read on the way. None where
+    the compiled core is not built or off, where the page ids are reduced on the device, or where a rule is broken:
+    the caller then reads through read_qo_indptr and read_paged, which raise the error in their words."""
+    if page_range is not None and len(page_range) == 1:   # device page ids, copied to the host
+        indices, page_range = page_range[0], None
+    if page_range is not None or _cplan is None or indices.device.type != "cpu" or not knobs.NATIVE.get():
+        return None
+    b = qo_indptr.numel() - 1
+    if b < 0:
+        return None
+    qo, qo_lens = np.empty(b + 1, dtype=np.int64), np.empty(b, dtype=np.int64)
+    kv_lens, kv_bases = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
+    status, used, max_page, max_qo, causal_ok = _cplan.read_prefill(
+        qo_indptr.numpy(), indptr.numpy(), last_page_len.numpy(), indices.numpy(), page_size, MAX_KV_LEN, MAX_QO_ROWS,
+        qo, qo_lens, kv_lens, kv_bases)
+    if status:
+        return None
+    return Batch(qo_indptr=qo, qo_lens=qo_lens, kv_lens=kv_lens, kv_bases=kv_bases, max_page=max_page,
+                 num_page_ids=used, max_qo_len=max_qo, causal_ok=bool(causal_ok))
+
+
 def read_ragged(name: str, qo: np.ndarray, kv_indptr: torch.Tensor) -> Batch:
     kvp = _values(kv_indptr)
     check_indptr(name, kvp)
@@ -440,6 +469,8 @@ def read_ragged(name: str, qo: np.ndarray, kv_indptr: torch.Tensor) -> Batch:
 
 def check_causal(qo_name: str, kv_names: str, batch: Batch) -> None:
     """causal=True: every request's query rows are among its keys (qo_len <= kv_len)."""
+    if batch.causal_ok:
+        return
     if batch.batch_size and (batch.qo_lens > batch.kv_lens).any():
         i = int(np.flatnonzero(batch.qo_lens > batch.kv_lens)[0])
         raise ValueError(f"{qo_name}: request {i} has {int(batch.qo_lens[i])} query rows but a KV length of "

@@ -267,9 +267,8 @@ def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torc
     n = indices.numel()
     if n == 0 or indptr.numel() == 0:
         return None
-    end = indptr[-1]
     if indptr.device.type == "cpu":
-        used = min(int(end), n)
+        used = min(int(indptr[-1]), n)
         if used <= 0:
             return None
         if used <= RAW_PAGE_IDS:
@@ -277,7 +276,7 @@ def device_page_range(indices: torch.Tensor, indptr: torch.Tensor) -> tuple[torc
         return torch.aminmax(indices[:used])
     if n <= RAW_PAGE_IDS:
         return (indices,)
-    return masked_range(indices, end)
+    return masked_range(indices, indptr[-1])
 
 
 # Up to this many device page ids travel to the host themselves, in the one copy of the metadata, and are ranged

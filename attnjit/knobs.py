@@ -34,6 +34,18 @@ class Knob(Generic[T]):
     def is_set(self) -> bool:
         return bool(_lookup(self.name))
 
+    def describe(self) -> dict[str, object]:
+        """name, value, source (``env`` or ``default``), raw text, default and meaning; an invalid setting is
+        reported in ``error`` instead of raising (``attnjit info`` shows everything it can)."""
+        raw = os.environ.get(self.name)
+        out: dict[str, object] = {"name": self.name, "source": "env" if raw else "default", "raw": raw or None,
+                                  "default": _plain(self.default), "meaning": self.meaning}
+        try:
+            out["value"] = _plain(self.get())
+        except ValueError as exc:
+            out["value"], out["error"] = None, str(exc)
+        return out
+
 
 _KEYS: dict[str, bytes] = {}   # knob name -> its key in os.environ's dict of bytes
 
@@ -51,18 +63,6 @@ def _lookup(name: str) -> str | None:
         key = _KEYS[name] = os.fsencode(name)
     raw = data.get(key)
     return None if raw is None else os.fsdecode(raw)
-
-    def describe(self) -> dict[str, object]:
-        """name, value, source (``env`` or ``default``), raw text, default and meaning; an invalid setting is
-        reported in ``error`` instead of raising (``attnjit info`` shows everything it can)."""
-        raw = os.environ.get(self.name)
-        out: dict[str, object] = {"name": self.name, "source": "env" if raw else "default", "raw": raw or None,
-                                  "default": _plain(self.default), "meaning": self.meaning}
-        try:
-            out["value"] = _plain(self.get())
-        except ValueError as exc:
-            out["value"], out["error"] = None, str(exc)
-        return out
 
 
 def _plain(value: object) -> object:

@@ -38,7 +38,7 @@ def _ceil(a: int, b: int) -> int:
 
 
 def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, num_kv_heads: int, slots: int,
-                 slot_rows: Sequence[int], max_slots: int) -> int | None:
+                 slot_rows: Sequence[int], max_slots: int, group: int = 1, cta_q: int = 0) -> int | None:
     """The smallest chunk (multiple of cta_kv, >= MIN_CHUNK) whose items fit in ``slots`` CTAs, or None.
 
     None when the unsplit items already fill the GPU, when no history is longer than the minimum chunk, or when
@@ -63,8 +63,12 @@ def choose_chunk(tiles: Sequence[int], kv_lens: Sequence[int], *, cta_kv: int, n
             hi = mid
         else:
             lo = mid + 1
+    def merge_rows(c: int) -> int:  # a split group's last CTA merges its packed rows x chunks alone
+        return max((min(cta_q, rows * group) * _ceil(k, c) for t, k, rows in zip(tiles, kv_lens, slot_rows)
+                    if t and k > c), default=0)
+
     chunk = lo * cta_kv
-    while chunk < max_kv and partial_slots(chunk) > max_slots:
+    while chunk < max_kv and (partial_slots(chunk) > max_slots or (cta_q and merge_rows(chunk) > 512)):
         chunk *= 2
     return chunk if chunk < max_kv else None
 
@@ -91,7 +95,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         chunk = _ceil(fixed_chunk, tile.cta_kv) * tile.cta_kv
     elif allow_split:
         chunk = choose_chunk(tiles, kv_lens, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots,
-                             slot_rows=qo_lens, max_slots=max_slots)
+                             slot_rows=qo_lens, max_slots=max_slots, group=group, cta_q=tile.cta_q)
     else:
         chunk = None
     plan = WorkPlan(tile=tile, slots_target=slots)

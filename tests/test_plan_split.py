@@ -234,3 +234,19 @@ def test_work_order_keeps_a_requests_q_tiles_together():
     work = plan_work(qo_lens=[64, 256], kv_lens=[64, 256], qo_offsets=[0, 64], kv_bases=[0, 4], group=4,
                      tile=wide, causal=True, num_kv_heads=8, slots=16, max_slots=0, allow_split=False)
     assert [(r[0], r[1]) for r in work.records.tolist()] == [(1, t) for t in range(7, -1, -1)] + [(0, 1), (0, 0)]
+
+
+def test_a_split_groups_merge_stays_under_merge_rows():
+    """A split group's last CTA merges its packed rows x chunks alone: the chunk doubles until that is at most
+    MERGE_ROWS. A cascade's level 0 (16 requests' rows x group 4 = 64 packed rows over an 8192-token prefix, one
+    128-row tile per KV head) gets 1024-token chunks (8 per group; run 62 measured 16 of 512 slower); decode's few
+    packed rows keep the small chunks that fill the GPU."""
+    from attnjit.ops.scheduler import MERGE_ROWS
+
+    kw = dict(cta_kv=128, num_kv_heads=8, slots=132, max_slots=10 ** 6)
+    assert choose_chunk([1], [8192], slot_rows=[16], **kw) == 512           # the rule off (no cta_q): 16 chunks
+    assert choose_chunk([1], [8192], slot_rows=[16], group=4, cta_q=128, **kw) == 1024
+    assert 64 * (8192 // 1024) <= MERGE_ROWS < 64 * (8192 // 512)
+    decode = dict(cta_kv=64, num_kv_heads=8, slots=264, max_slots=10 ** 6)
+    assert choose_chunk([1], [32768], slot_rows=[1], group=4, cta_q=16, **decode) == \
+        choose_chunk([1], [32768], slot_rows=[1], **decode)

@@ -113,7 +113,8 @@ def test_choose_chunk_agrees_with_the_loop_version():
         kv = [rng.choice([0, rng.randint(1, 600), rng.randint(1, 50000)]) for _ in range(batch)]
         rows = [rng.randint(1, 64) for _ in range(batch)]
         kw = dict(cta_kv=rng.choice([32, 64]), num_kv_heads=rng.choice([1, 4, 8]), slots=rng.choice([16, 132, 264]),
-                  slot_rows=rows, max_slots=rng.choice([1, 10, 1000, 10 ** 6]))
+                  slot_rows=rows, max_slots=rng.choice([1, 10, 1000, 10 ** 6]), group=rng.choice([1, 4, 8]),
+                  cta_q=rng.choice([0, 16, 64, 128]))
         assert scheduler.choose_chunk(np.asarray(tiles), np.asarray(kv), **kw) == old.choose_chunk(tiles, kv, **kw)
 
 

@@ -56,7 +56,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { FIELDS = 12, MIN_CHUNK = 256 };
+enum { FIELDS = 12, MIN_CHUNK = 256, MERGE_ROWS = 512 }; /* scheduler.py's */
 #define LIMIT (INT64_C(1) << 31) /* lengths past this are not plan()'s: 5 (plan in Python) */
 
 static int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; } /* a >= 0, b > 0 */
@@ -97,7 +97,7 @@ static void sort_desc(int64_t *idx, int64_t n, const int64_t *key, int64_t *tmp)
 
 /* choose_chunk: the smallest chunk (a multiple of cta_kv, >= the minimum) whose items fit in slots, or -1. */
 static int64_t choose_chunk(int64_t n, const int64_t *tiles, const int64_t *q, const int64_t *k, int64_t cta_kv,
-                            int64_t heads, int64_t slots, int64_t max_slots) {
+                            int64_t heads, int64_t slots, int64_t max_slots, int64_t group, int64_t cta_q) {
   int64_t total = 0, max_kv = 0;
   const int64_t fit = slots / heads; /* items * heads <= slots  <=>  items <= fit (no product to overflow) */
   for (int64_t i = 0; i < n && total <= fit; ++i) total += tiles[i];
@@ -118,11 +118,14 @@ static int64_t choose_chunk(int64_t n, const int64_t *tiles, const int64_t *q, c
       lo = mid + 1;
   }
   int64_t chunk = lo * cta_kv;
-  while (chunk < max_kv) {
-    int64_t partial = 0;
+  while (chunk < max_kv) { /* partial states past the workspace, or a split group's merge past MERGE_ROWS: double */
+    int64_t partial = 0, merge = 0;
     for (int64_t i = 0; i < n && partial <= max_slots; ++i)
-      if (tiles[i] && k[i] > chunk) partial += q[i] * cdiv(k[i], chunk);
-    if (partial <= max_slots) break;
+      if (tiles[i] && k[i] > chunk) {
+        partial += q[i] * cdiv(k[i], chunk);
+        merge = max64(merge, min64(cta_q, q[i] * group) * cdiv(k[i], chunk)); /* q < 2^31, group <= 4096 */
+      }
+    if (partial <= max_slots && merge <= MERGE_ROWS) break;
     chunk *= 2;
   }
   return chunk < max_kv ? chunk : -1;
@@ -158,7 +161,7 @@ static Result plan(int64_t n, const int64_t *q, const int64_t *k, const int64_t 
   if (fixed_chunk >= 0)
     chunk = cdiv(fixed_chunk, cta_kv) * cta_kv;
   else if (allow_split)
-    chunk = choose_chunk(n, tiles, q, k, cta_kv, heads, slots, max_slots);
+    chunk = choose_chunk(n, tiles, q, k, cta_kv, heads, slots, max_slots, group, cta_q);
   int64_t count = 0, slots_used = 0, groups = 0, split = 0, max_items_req = 0, active = 0;
   for (int64_t i = 0; i < n && count <= max_items; ++i) {
     nch[i] = chunk >= 0 && k[i] > chunk ? cdiv(k[i], chunk) : 1;

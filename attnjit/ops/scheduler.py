@@ -39,6 +39,10 @@ except ImportError:  # not built here (no C compiler at install time): plan in P
 MIN_CHUNK = 256           # kv tokens: below this a chunk's partial-state traffic stops being small against its KV
 MAX_WORK_ITEMS = 1 << 20  # work records per plan: counted before the list is built
 SMALL_BATCH, SMALL_ITEMS = 8, 40  # up to this many requests and items, a loop builds the list faster than numpy
+# The last CTA of a split group merges the group's chunks alone (split.cuh): packed rows x chunks is its work. Past
+# this many, that merge costs more than the wave more chunks fill (run 62, a cascade's level 0 of 64 packed rows:
+# 8 chunks 0.034 ms, 16 chunks 0.040), so the chunk doubles until every split group is under it.
+MERGE_ROWS = 512
 RECORD_FIELDS = ("request", "q_tile", "kv_begin", "kv_end", "slot0", "chunk", "chunks", "group", "q_row0", "q_rows",
                  "kv_len", "kv_base")
 _EMPTY = np.zeros((0, len(RECORD_FIELDS)), dtype=np.int32)
@@ -71,11 +75,14 @@ def _ceil(a, b):
     return -(-a // b)
 
 
-def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, slot_rows, max_slots: int) -> int | None:
-    """The smallest chunk (multiple of cta_kv, >= MIN_CHUNK) whose items fit in ``slots`` CTAs, or None.
+def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, slot_rows, max_slots: int,
+                 group: int = 1, cta_q: int = 0) -> int | None:
+    """The smallest chunk (multiple of cta_kv, >= MIN_CHUNK) whose items fit in ``slots`` CTAs, doubled while the
+    partial states would not fit in the workspace (``max_slots``) or, with ``cta_q``, while a split group's merge
+    (its q tile's packed rows, at most cta_q of slot_rows x group, times its chunks) is past MERGE_ROWS; or None.
 
     None when the unsplit items already fill the GPU, when no history is longer than the minimum chunk, or when
-    the partial states would not fit in the workspace (``max_slots``). Lists or numpy arrays.
+    the doubling reaches the longest history. Lists or numpy arrays.
     """
     total = int(tiles.sum()) if isinstance(tiles, np.ndarray) else sum(tiles)
     if total * num_kv_heads >= slots:
@@ -94,6 +101,9 @@ def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, 
     def partial_slots(c: int) -> int:
         return sum([rows * -(-kk // c) for _, kk, rows in active if kk > c])
 
+    def merge_rows(c: int) -> int:  # the largest merge one group's last CTA does
+        return max([min(cta_q, rows * group) * -(-kk // c) for _, kk, rows in active if kk > c], default=0)
+
     lo, hi = _ceil(min_chunk, cta_kv), _ceil(max_kv, cta_kv)  # in units of cta_kv
     while lo < hi:  # smallest c with items(c) <= slots (items is non-increasing in c)
         mid = (lo + hi) // 2
@@ -102,7 +112,7 @@ def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, 
         else:
             lo = mid + 1
     chunk = lo * cta_kv
-    while chunk < max_kv and partial_slots(chunk) > max_slots:
+    while chunk < max_kv and (partial_slots(chunk) > max_slots or (cta_q and merge_rows(chunk) > MERGE_ROWS)):
         chunk *= 2
     return chunk if chunk < max_kv else None
 
@@ -167,7 +177,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         chunk = _ceil(fixed_chunk, tile.cta_kv) * tile.cta_kv
     elif allow_split:
         chunk = choose_chunk(tiles, k, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots, slot_rows=q,
-                             max_slots=max_slots)
+                             max_slots=max_slots, group=group, cta_q=cta_q)
     else:
         chunk = None
     plan = WorkPlan(tile=tile, slots_target=slots)

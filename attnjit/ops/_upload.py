@@ -134,26 +134,6 @@ def raw_cuda(device: torch.device) -> RawCuda | None:
         return None
 
 
-def _device_view(buf: torch.Tensor, device: torch.device) -> torch.Tensor | None:
-    """A CUDA tensor over the pinned host buffer's own bytes, so that one kernel (torch._foreach_copy_) can gather
-    several device tensors into it: pinned memory is mapped into the device's address space at the same address
-    (unified addressing, every 64-bit CUDA platform). Built through CuPy's memory wrapper, which torch reads by
-    __cuda_array_interface__. None where any piece is missing (then to_host copies tensor by tensor)."""
-    if not hasattr(torch, "_foreach_copy_"):
-        return None
-    try:
-        import cupy
-
-        mem = cupy.cuda.UnownedMemory(buf.data_ptr(), buf.numel() * 4, buf, device_id=device.index)
-        arr = cupy.ndarray((buf.numel(),), dtype=cupy.int32, memptr=cupy.cuda.MemoryPointer(mem, 0))
-        view = torch.as_tensor(arr, device=device)
-    except Exception:  # noqa: BLE001 - no CuPy, or a platform without mapped pinned memory
-        return None
-    if view.data_ptr() != buf.data_ptr() or view.device != device:
-        return None
-    return view
-
-
 class MetadataBuffers:
     """The device metadata of one wrapper's plans."""
 
@@ -174,16 +154,11 @@ class MetadataBuffers:
         self._new_event = new_event
         self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
         self._readback: torch.Tensor | None = None      # pinned: device metadata read back by to_host (RawCuda)
-        self._mapped: torch.Tensor | None = None        # the same bytes as a CUDA tensor (mapped, UVA), or None
-        self._gathers: dict[tuple, tuple] = {}          # sizes of to_host's tensors -> _gather_views
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """planner.to_host (device metadata -> host, the one synchronization such a plan makes) through RawCuda:
-        the device tensors written into a pinned read-back buffer, then one stream synchronize. Each copied by
-        cudaMemcpyAsync the first time a set of sizes is seen; from then on (an engine passes the same sizes every
-        step) one torch._foreach_copy_ kernel writes them all into the buffer through its mapped device view
-        (_device_view): one launch instead of a copy per tensor, each of which costs its own transfer latency. No
-        pageable copy either way. The host tensors returned are views of that buffer, valid until the next call
+        each device tensor copied into a pinned read-back buffer, then one stream synchronize; no concatenation
+        kernel, no pageable copy. The host tensors returned are views of that buffer, valid until the next call
         (plan() reads them into arrays of its own before it returns). Without RawCuda, or for a tensor that is not
         a dense int32 one (planner.to_host takes any), planner.to_host."""
         if all(t.is_cpu for t in tensors):   # host metadata, the common case: nothing to copy
@@ -196,41 +171,18 @@ class MetadataBuffers:
         buf = self._readback
         if buf is None or buf.numel() < total:
             buf = self._readback = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=True)
-            self._mapped = _device_view(buf, self.device)
-            self._gathers.clear()
-        stream, out = raw.stream(), []
-        views = self._gathers.get(tuple(t.numel() for t in tensors)) if self._mapped is not None else None
-        if views is None or len(on_device) < 2:   # one copy per tensor, then one synchronize
-            base, at = buf.data_ptr(), 0
-            for t in tensors:
-                if t.is_cpu:
-                    out.append(t)
-                    continue
-                n = t.numel()
-                if n:
-                    raw.copy_back(base + 4 * at, t.data_ptr(), 4 * n, stream)
-                out.append(buf[at:at + n])   # 1-D, a 0-d tensor as one element (as planner.to_host gives)
-                at += n
-            if self._mapped is not None and len(on_device) > 1:
-                self._gathers[tuple(t.numel() for t in tensors)] = self._gather_views(tensors)
-        else:   # one kernel writes every device tensor into the mapped pinned buffer, then one synchronize
-            dst, host = views
-            torch._foreach_copy_(dst, [t.reshape(-1) for t in tensors if not t.is_cpu and t.numel()])
-            out = [t if t.is_cpu else h for t, h in zip(tensors, host)]
+        stream, base, at, out = raw.stream(), buf.data_ptr(), 0, []
+        for t in tensors:
+            if t.is_cpu:
+                out.append(t)
+                continue
+            n = t.numel()
+            if n:
+                raw.copy_back(base + 4 * at, t.data_ptr(), 4 * n, stream)
+            out.append(buf[at:at + n])   # 1-D, a 0-d tensor as one element (as planner.to_host gives)
+            at += n
         raw.sync(stream)
         return out
-
-    def _gather_views(self, tensors) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """For metadata of these sizes: the device views of the mapped read-back buffer each device tensor is
-        copied into, and the host views to_host returns (per position; host tensors' entries unused)."""
-        dst, host, at = [], [], 0
-        for t in tensors:
-            n = 0 if t.is_cpu else t.numel()
-            if n:
-                dst.append(self._mapped[at:at + n])
-            host.append(self._readback[at:at + n])
-            at += n
-        return dst, host
 
     def refuse_capture(self, what: str) -> None:
         """Raise if the current stream is capturing a CUDA graph. A plan's copies would be recorded into the graph

@@ -1,5 +1,6 @@
-/* attnjit._cplan: the split-KV scheduler's work list (attnjit/ops/scheduler.py plan_work) and the host page
- * table's checks (attnjit/ops/planner.py read_paged) in C.
+/* attnjit._cplan: the split-KV scheduler's work list (attnjit/ops/scheduler.py plan_work), the host page table's
+ * checks (attnjit/ops/planner.py read_paged, read_prefill) and graph mode's decode re-plan
+ * (attnjit/ops/_upload.py MetadataBuffers.fast_decode) in C.
  *
  * An optional accelerator: setup.py builds it where a C compiler is present, and attnjit/ops/scheduler.py uses it
  * when it imports (ATTNJIT_NATIVE=0 turns it off). The Python scheduler stays the definition: this file computes the

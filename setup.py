@@ -6,5 +6,6 @@ then plans in Python, with the same results (attnjit/ops/scheduler.py).
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("attnjit._cplan", ["attnjit/native/cplan.c"], optional=True,
+setup(ext_modules=[Extension("attnjit._cplan", ["attnjit/native/cplan.c", "attnjit/native/readers.c"],
+                             depends=["attnjit/native/cplan.h"], optional=True,
                              extra_compile_args=["-O3", "-std=c99", "-Wall", "-Wextra", "-Wno-unused-parameter"])])

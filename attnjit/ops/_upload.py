@@ -279,9 +279,9 @@ class MetadataBuffers:
         scheduled with ``sched`` (plan_work's arguments), all written into a staging buffer as the image of the
         fixed buffers, then copied (one copy; two where the engine passed its own page-id buffer). Returns (the work
         plan, the largest page id), or None where this path does not apply (metadata that is not dense int32 on the
-        host, no compiled core, ATTNJIT_NATIVE=0, no plan uploaded yet) or where the table breaks a rule or does not fit: then nothing was
-        copied and the caller plans through the full path (read_paged, plan_work, upload), which raises the error
-        in its words. Both paths write the same bytes (tests/test_fast_plan.py)."""
+        host, no compiled core, ATTNJIT_NATIVE=0, no plan uploaded yet) or where the table breaks a rule or does not
+        fit: then nothing was copied and the caller plans through the full path (read_paged, plan_work, upload),
+        which raises the error in its words. Both paths write the same bytes (tests/test_fast_plan.py)."""
         caps, batch, fixed_ids = self.caps, self.batch, self.fixed_page_ids
         if caps is None or batch is None or fixed_ids is None or _cplan is None or not knobs.NATIVE.get():
             return None
@@ -290,7 +290,8 @@ class MetadataBuffers:
                     or not t.is_contiguous():
                 return None
         fixed_chunk = sched["fixed_chunk"]
-        if indptr.numel() != batch + 1 or last_page_len.numel() != batch or (fixed_chunk is not None and fixed_chunk < 1):
+        if indptr.numel() != batch + 1 or last_page_len.numel() != batch or \
+                (fixed_chunk is not None and fixed_chunk < 1):
             return None
         fixed, n_ids = self.fixed_meta, indices.numel()
         at_tickets = _HEAD + RECORD * caps[0]

@@ -186,3 +186,53 @@ def test_fast_decode_refuses_more_than_the_fixed_buffers_hold(engine_ids):
     assert torch.equal(fast.fixed_meta, before)
     with pytest.raises(ValueError, match="page-id buffer|fixed buffers hold"):
         _slow(slow, sched, (indptr, ids, last), 16, None)
+
+
+def test_the_compiled_re_plan_survives_garbage():
+    """Arbitrary int32 tables (extremes included) straight into _cplan.fast_decode with real buffers: every call
+    returns a status; a refused one writes nothing past the staging regions' bounds, an accepted one only within
+    them, and never past the guard at the end."""
+    rng = np.random.default_rng(11)
+    cplan = scheduler._cplan
+    extremes = np.array([0, 1, -1, 2 ** 31 - 1, -2 ** 31, 16, 17], dtype=np.int64)
+    for _ in range(3000):
+        b = int(rng.integers(1, 20))
+        if rng.random() < 0.5:
+            ind = np.cumsum(rng.integers(0, 4, b + 1)).astype(np.int32) - int(rng.integers(0, 2))
+        else:
+            ind = rng.choice(extremes, b + 1).astype(np.int32)
+        last = (rng.integers(0, 18, b) if rng.random() < 0.7 else rng.choice(extremes, b)).astype(np.int32)
+        ids = rng.integers(-3, 200, int(rng.integers(0, 60))).astype(np.int32)
+        rec_cap, ticket_cap, ids_cap = int(rng.integers(0, 40)), int(rng.integers(0, 80)), int(rng.integers(0, 60))
+        at_tickets = 4 + 12 * rec_cap
+        ids_at = at_tickets + ticket_cap
+        staging = np.full(ids_at + ids_cap + 16, -7, dtype=np.int32)
+        view = staging[:-16]
+        status, count, *_, used, max_page, total = cplan.fast_decode(
+            ind.ctypes.data, last.ctypes.data, ids.ctypes.data if ids.size else 0, b, ids.size, 16, 1 << 30,
+            int(rng.choice([-1, 100, 2 ** 31 - 1])), view, rec_cap, at_tickets, ticket_cap, ids_at, ids_cap,
+            int(rng.choice([1, 4])), 16, 64, bool(rng.random() < 0.5), 8, int(rng.choice([16, 132])), 10 ** 6,
+            True, -1, 1 << 20)
+        assert (staging[-16:] == -7).all()
+        assert status in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13, 15)
+        if status == 0:
+            assert 0 <= count <= rec_cap and 0 <= used <= min(ids.size, ids_cap) and total <= view.size
+            assert staging[0] == count and staging[ids_at:ids_at + used].tolist() == ids[:used].tolist()
+
+
+def test_the_compiled_re_plan_refuses_inconsistent_regions():
+    """Regions that overlap, a staging buffer shorter than they need, null tables: refused before any read."""
+    cplan = scheduler._cplan
+    ind, last, ids = (np.array(v, dtype=np.int32) for v in ([0, 1], [16], [3]))
+    ok = [ind.ctypes.data, last.ctypes.data, ids.ctypes.data, 1, 1, 16, 1 << 30, -1]
+    tail = [16, 64, False, 8, 132, 10 ** 6, True, -1, 1 << 20]
+    staging = np.zeros(4 + 12 * 4 + 32 + 8, dtype=np.int32)
+    regions = [4, 4 + 12 * 4, 32, 4 + 12 * 4 + 32, 8]   # rec_cap, at_tickets, ticket_cap, ids_at, ids_cap
+    status = cplan.fast_decode(*ok, staging, *regions, 4, *tail)[0]
+    assert status == 0 and staging[0] == 1 and staging[4 + 12 * 4 + 32] == 3
+    with pytest.raises(ValueError, match="out of range"):
+        cplan.fast_decode(*ok, staging, 4, 4 + 12 * 4, 32, 4 + 12 * 4 + 31, 8, 4, *tail)  # ids over the tickets
+    with pytest.raises(ValueError, match="out of range"):
+        cplan.fast_decode(0, *ok[1:], staging, *regions, 4, *tail)                          # a null indptr
+    with pytest.raises(TypeError, match="at least ids_at \\+ ids_cap"):
+        cplan.fast_decode(*ok, staging[:-1], *regions, 4, *tail)

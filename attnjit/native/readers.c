@@ -36,17 +36,6 @@
  */
 #include "cplan.h"
 
-static int int32_view(PyObject *obj, Py_buffer *view, const char *name) {
-  if (PyObject_GetBuffer(obj, view, PyBUF_STRIDED_RO | PyBUF_FORMAT) < 0) return -1;
-  const char *f = view->format ? view->format : "B";
-  if (view->ndim != 1 || view->itemsize != 4 || !(f[0] == 'i' || (f[0] == '<' && f[1] == 'i'))) {
-    PyErr_Format(PyExc_TypeError, "_cplan.read_paged: %s must be a 1-D int32 buffer", name);
-    PyBuffer_Release(view);
-    return -1;
-  }
-  return 0;
-}
-
 /* min and max of v[0..n), n >= 1 (a page table holds ~10^5 ids): a plain reduction the compiler vectorizes; on
  * x86-64 also built for SSE4.1 and AVX2 (packed min/max), the best one picked when the module loads */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -63,13 +52,57 @@ static void range32(const int32_t *v, int64_t n, int32_t *lo_out, int32_t *hi_ou
   *hi_out = hi;
 }
 
-#define AT(view, i) (*(const int32_t *)((const char *)(view).buf + (i) * (view).strides[0]))
+/* One int32 column of a table: n entries `stride` bytes apart (a strided view, or a dense array) */
+typedef struct {
+  const char *buf;
+  Py_ssize_t n, stride;
+} Ints;
+
+#define AT(v, i) (*(const int32_t *)((v).buf + (i) * (v).stride))
+
+static Ints ints(const Py_buffer *view) { return (Ints){(const char *)view->buf, view->shape[0], view->strides[0]}; }
+
+static void release(Py_buffer *views, int n) {
+  while (n-- > 0) PyBuffer_Release(&views[n]);
+}
+
+/* n 1-D int32 buffers (strided views too), all or none: a TypeError naming the first that is not one */
+static int int32_views(PyObject *const *objs, const char *const *names, int n, Py_buffer *views) {
+  for (int i = 0; i < n; ++i) {
+    if (PyObject_GetBuffer(objs[i], &views[i], PyBUF_STRIDED_RO | PyBUF_FORMAT) < 0) {
+      release(views, i);
+      return -1;
+    }
+    const char *f = views[i].format ? views[i].format : "B";
+    if (views[i].ndim != 1 || views[i].itemsize != 4 || !(f[0] == 'i' || (f[0] == '<' && f[1] == 'i'))) {
+      PyErr_Format(PyExc_TypeError, "_cplan: %s must be a 1-D int32 buffer", names[i]);
+      release(views, i + 1);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+/* n writable contiguous int64 buffers of lens[i] entries, all or none */
+static int int64_outputs(PyObject *const *objs, const char *const *names, const Py_ssize_t *lens, int n,
+                         Py_buffer *views) {
+  for (int i = 0; i < n; ++i) {
+    if (cplan_int64_buffer(objs[i], &views[i], names[i], lens[i]) < 0) {
+      release(views, i);
+      return -1;
+    }
+    if (views[i].readonly) {
+      PyErr_Format(PyExc_TypeError, "_cplan: %s must be writable", names[i]);
+      release(views, i + 1);
+      return -1;
+    }
+  }
+  return 0;
+}
 
 /* read_paged's checks and lengths of a page table of b requests (the GIL released by the caller). */
-static int64_t read_table(const Py_buffer *ind_, const Py_buffer *last_, const Py_buffer *ids_, Py_ssize_t b,
-                          int64_t page_size, int64_t max_kv_len, int64_t *kv, int64_t *base, int64_t *used_out,
-                          int64_t *max_page_out) {
-  const Py_buffer ind = *ind_, last = *last_, ids = *ids_;
+static int64_t read_table(Ints ind, Ints last, Ints ids, Py_ssize_t b, int64_t page_size, int64_t max_kv_len,
+                          int64_t *kv, int64_t *base, int64_t *used_out, int64_t *max_page_out) {
   int64_t status = 0, used = 0, max_page = -1;
   if (AT(ind, 0) != 0) status = 1;
   for (Py_ssize_t i = 0; !status && i < b; ++i) {
@@ -87,11 +120,11 @@ static int64_t read_table(const Py_buffer *ind_, const Py_buffer *last_, const P
   /* the Python reader's order: indptr, then the entries it needs, then the lengths, then the page ids */
   if (status != 1) {
     used = AT(ind, b);
-    if (used > ids.shape[0]) status = 2;
+    if (used > ids.n) status = 2;
   }
   if (!status && used > 0) {
     int32_t lo, hi;
-    if (ids.strides[0] == 4)
+    if (ids.stride == 4)
       range32((const int32_t *)ids.buf, used, &lo, &hi);
     else {
       lo = hi = AT(ids, 0);
@@ -109,82 +142,63 @@ static int64_t read_table(const Py_buffer *ind_, const Py_buffer *last_, const P
   return status;
 }
 
+static const char *const TABLE[3] = {"indptr", "last_page_len", "indices"};
+
 PyObject *cplan_read_paged(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *oind, *olast, *oids, *olens, *obases;
+  PyObject *in[3], *outs[2];
   long long page_size, max_kv_len;
-  if (!PyArg_ParseTuple(args, "OOOLLOO", &oind, &olast, &oids, &page_size, &max_kv_len, &olens, &obases)) return NULL;
-  Py_buffer ind, last, ids, lens, bases;
-  if (int32_view(oind, &ind, "indptr") < 0) return NULL;
-  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
-  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
-  const Py_ssize_t b = ind.shape[0] - 1;
-  if (b < 0 || last.shape[0] != b) {
+  if (!PyArg_ParseTuple(args, "OOOLLOO", &in[0], &in[1], &in[2], &page_size, &max_kv_len, &outs[0], &outs[1]))
+    return NULL;
+  Py_buffer v[3], out[2];
+  if (int32_views(in, TABLE, 3, v) < 0) return NULL;
+  const Py_ssize_t b = v[0].shape[0] - 1;
+  if (b < 0 || v[1].shape[0] != b) {
     PyErr_SetString(PyExc_ValueError, "_cplan.read_paged: indptr must have len(last_page_len) + 1 >= 1 entries");
-    goto f_ids;
+    release(v, 3);
+    return NULL;
   }
-  if (cplan_int64_buffer(olens, &lens, "kv_lens", b) < 0) goto f_ids;
-  if (cplan_int64_buffer(obases, &bases, "kv_bases", b) < 0) goto f_lens;
-  if (lens.readonly || bases.readonly) {
-    PyErr_SetString(PyExc_TypeError, "_cplan.read_paged: kv_lens and kv_bases must be writable");
-    goto f_bases;
+  static const char *const names[2] = {"kv_lens", "kv_bases"};
+  const Py_ssize_t lens[2] = {b, b};
+  if (int64_outputs(outs, names, lens, 2, out) < 0) {
+    release(v, 3);
+    return NULL;
   }
   int64_t status, used, max_page;
   Py_BEGIN_ALLOW_THREADS
-  status = read_table(&ind, &last, &ids, b, page_size, max_kv_len, (int64_t *)lens.buf, (int64_t *)bases.buf, &used,
-                      &max_page);
+  status = read_table(ints(&v[0]), ints(&v[1]), ints(&v[2]), b, page_size, max_kv_len, (int64_t *)out[0].buf,
+                      (int64_t *)out[1].buf, &used, &max_page);
   Py_END_ALLOW_THREADS
-  PyBuffer_Release(&bases);
-  PyBuffer_Release(&lens);
-  PyBuffer_Release(&ids);
-  PyBuffer_Release(&last);
-  PyBuffer_Release(&ind);
+  release(out, 2);
+  release(v, 3);
   return Py_BuildValue("(LLL)", (long long)status, (long long)used, (long long)max_page);
-f_bases:
-  PyBuffer_Release(&bases);
-f_lens:
-  PyBuffer_Release(&lens);
-f_ids:
-  PyBuffer_Release(&ids);
-f_last:
-  PyBuffer_Release(&last);
-f_ind:
-  PyBuffer_Release(&ind);
-  return NULL;
 }
 
 /* read_prefill: read_paged's table after qo_indptr's checks (see the top of this file). */
 PyObject *cplan_read_prefill(PyObject *self, PyObject *args) {
   (void)self;
-  PyObject *oqo, *oind, *olast, *oids, *oq64, *oqlens, *olens, *obases;
+  PyObject *in[4], *outs[4];
   long long page_size, max_kv_len, max_qo_rows;
-  if (!PyArg_ParseTuple(args, "OOOOLLLOOOO", &oqo, &oind, &olast, &oids, &page_size, &max_kv_len, &max_qo_rows,
-                        &oq64, &oqlens, &olens, &obases))
+  if (!PyArg_ParseTuple(args, "OOOOLLLOOOO", &in[0], &in[1], &in[2], &in[3], &page_size, &max_kv_len, &max_qo_rows,
+                        &outs[0], &outs[1], &outs[2], &outs[3]))
     return NULL;
-  Py_buffer qo, ind, last, ids, out[4];
-  PyObject *outs[4] = {oq64, oqlens, olens, obases};
-  static const char *names[4] = {"qo_indptr_out", "qo_lens", "kv_lens", "kv_bases"};
-  int got = 0;
-  PyObject *ret = NULL;
-  if (int32_view(oqo, &qo, "qo_indptr") < 0) return NULL;
-  if (int32_view(oind, &ind, "indptr") < 0) goto f_qo;
-  if (int32_view(olast, &last, "last_page_len") < 0) goto f_ind;
-  if (int32_view(oids, &ids, "indices") < 0) goto f_last;
-  const Py_ssize_t b = qo.shape[0] - 1;
-  if (b < 0 || ind.shape[0] != b + 1 || last.shape[0] != b) {
-    ret = Py_BuildValue("(LLLLL)", 8LL, 0LL, -1LL, 0LL, 0LL); /* lengths disagree: Python's checks say how */
-    goto f_ids;
+  static const char *const names[4] = {"qo_indptr", "indptr", "last_page_len", "indices"};
+  static const char *const out_names[4] = {"qo_indptr_out", "qo_lens", "kv_lens", "kv_bases"};
+  Py_buffer v[4], out[4];
+  if (int32_views(in, names, 4, v) < 0) return NULL;
+  const Py_ssize_t b = v[0].shape[0] - 1;
+  if (b < 0 || v[1].shape[0] != b + 1 || v[2].shape[0] != b) {
+    release(v, 4);
+    return Py_BuildValue("(LLLLL)", 8LL, 0LL, -1LL, 0LL, 0LL); /* lengths disagree: Python's checks say how */
   }
-  for (; got < 4; ++got) {
-    if (cplan_int64_buffer(outs[got], &out[got], names[got], got ? b : b + 1) < 0) goto f_outs;
-    if (out[got].readonly) {
-      PyErr_SetString(PyExc_TypeError, "_cplan.read_prefill: the output buffers must be writable");
-      PyBuffer_Release(&out[got]);
-      goto f_outs;
-    }
+  const Py_ssize_t lens[4] = {b + 1, b, b, b};
+  if (int64_outputs(outs, out_names, lens, 4, out) < 0) {
+    release(v, 4);
+    return NULL;
   }
   int64_t status = 0, used = 0, max_page = -1, max_qo = 0, causal_ok = 1;
   Py_BEGIN_ALLOW_THREADS
+  const Ints qo = ints(&v[0]);
   int64_t *q64 = (int64_t *)out[0].buf, *ql = (int64_t *)out[1].buf, *kv = (int64_t *)out[2].buf;
   q64[0] = AT(qo, 0);
   if (q64[0] != 0) status = 6;
@@ -196,26 +210,18 @@ PyObject *cplan_read_prefill(PyObject *self, PyObject *args) {
   }
   if (!status && q64[b] > max_qo_rows) status = 7;
   if (!status)
-    status = read_table(&ind, &last, &ids, b, page_size, max_kv_len, kv, (int64_t *)out[3].buf, &used, &max_page);
+    status = read_table(ints(&v[1]), ints(&v[2]), ints(&v[3]), b, page_size, max_kv_len, kv, (int64_t *)out[3].buf,
+                        &used, &max_page);
   for (Py_ssize_t i = 0; !status && causal_ok && i < b; ++i) causal_ok = ql[i] <= kv[i];
   Py_END_ALLOW_THREADS
-  ret = Py_BuildValue("(LLLLL)", (long long)status, (long long)used, (long long)max_page, (long long)max_qo,
-                      (long long)causal_ok);
-f_outs:
-  while (got-- > 0) PyBuffer_Release(&out[got]);
-f_ids:
-  PyBuffer_Release(&ids);
-f_last:
-  PyBuffer_Release(&last);
-f_ind:
-  PyBuffer_Release(&ind);
-f_qo:
-  PyBuffer_Release(&qo);
-  return ret;
+  release(out, 4);
+  release(v, 4);
+  return Py_BuildValue("(LLLLL)", (long long)status, (long long)used, (long long)max_page, (long long)max_qo,
+                       (long long)causal_ok);
 }
 
-/* fast_decode: see the top of this file. The table is read in read_paged's order; every check before a write
- * that a device copy would carry (the caller copies nothing unless the status is 0). */
+/* fast_decode: see the top of this file. The table is read by read_table, as read_paged reads it; the caller
+ * copies nothing unless the status is 0. */
 PyObject *cplan_fast_decode(PyObject *self, PyObject *args) {
   (void)self;
   unsigned long long a_ind, a_last, a_ids;
@@ -244,8 +250,8 @@ PyObject *cplan_fast_decode(PyObject *self, PyObject *args) {
     PyBuffer_Release(&st);
     return NULL;
   }
-  const int32_t *ind = (const int32_t *)(uintptr_t)a_ind, *last = (const int32_t *)(uintptr_t)a_last;
-  const int32_t *ids = (const int32_t *)(uintptr_t)a_ids;
+  const Ints ind = {(const char *)(uintptr_t)a_ind, b + 1, 4}, last = {(const char *)(uintptr_t)a_last, b, 4};
+  const Ints ids = {(const char *)(uintptr_t)a_ids, n_ids, 4};
   int32_t *host = (int32_t *)st.buf;
   int64_t status = 0, used = 0, max_page = -1, total = 0;
   Result r = {0, 0, -1, 0, 0, 0};
@@ -256,37 +262,16 @@ PyObject *cplan_fast_decode(PyObject *self, PyObject *args) {
   }
   Py_BEGIN_ALLOW_THREADS
   int64_t *q = mem, *kv = mem + b, *off = mem + 2 * b, *base = mem + 3 * b;
-  if (ind[0] != 0) status = 1;
-  for (int64_t i = 0; !status && i < b; ++i) {
-    const int64_t lo = ind[i], pages = (int64_t)ind[i + 1] - lo, l = last[i];
-    if (pages < 0) {
-      status = 1;
-    } else if (pages ? (l < 1 || l > page_size) : l != 0) {
-      status = 3;
-    } else {
-      kv[i] = pages ? page_size * (pages - 1) + l : 0;
-      if (kv[i] > max_kv_len) status = 4;
-      base[i] = lo;
-      q[i] = 1;
-      off[i] = i;
-    }
-  }
+  status = read_table(ind, last, ids, b, page_size, max_kv_len, kv, base, &used, &max_page);
+  if (!status && used > ids_cap) status = 7;
+  else if (!status && num_pages >= 0 && max_page >= num_pages) status = 6;
   if (!status) {
-    used = ind[b];
-    if (used > n_ids) status = 2;
-    else if (used > ids_cap) status = 7;
-  }
-  if (!status && used > 0) {
-    int32_t lo, hi;
-    memcpy(host + ids_at, ids, (size_t)used * 4);
-    range32(host + ids_at, used, &lo, &hi);
-    if (lo < 0) status = 5;
-    else if (num_pages >= 0 && hi >= num_pages) status = 6;
-    max_page = hi;
+    for (int64_t i = 0; i < b; ++i) q[i] = 1, off[i] = i; /* decode: one query row per request */
+    if (used) memcpy(host + ids_at, ids.buf, (size_t)used * 4);
   }
   if (!status) {
     r = cplan_plan(b, q, kv, off, base, host + 4, rec_cap, group, cta_q, cta_kv, causal, heads, slots, max_slots,
-             allow_split, fixed_chunk, max_items);
+                   allow_split, fixed_chunk, max_items);
     if (r.status) status = 10 + r.status;
     else if (r.num_groups * heads > ticket_cap) status = 8;
   }

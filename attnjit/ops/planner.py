@@ -403,6 +403,14 @@ def _page_id_range(n_indices: str, indices: torch.Tensor, used: int, kvp, page_r
     return hi
 
 
+def _host_ids(indices: torch.Tensor, page_range):
+    """(indices, page_range) with device page ids that device_page_range copied to the host themselves taken as
+    host page ids (page_range None); a (min, max) range stays as it is."""
+    if page_range is not None and len(page_range) == 1:
+        return page_range[0], None
+    return indices, page_range
+
+
 def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor, indices: torch.Tensor,
                last_page_len: torch.Tensor, *, page_size: int, page_range=None) -> Batch:
     """A page table (indptr [B+1] and last_page_len [B] on the host, indices anywhere; all checked by check_meta)
@@ -410,8 +418,7 @@ def read_paged(names: tuple[str, str, str], qo: np.ndarray, indptr: torch.Tensor
     the page ids themselves (then read as host ones) or their (min, max). Host page ids are read by the compiled
     reader where it is built (the same checks; a table it refuses is read again here, for the message)."""
     b = indptr.numel() - 1
-    if page_range is not None and len(page_range) == 1:  # device page ids, copied to the host: read as host ones
-        indices, page_range = page_range[0], None
+    indices, page_range = _host_ids(indices, page_range)
     if page_range is None and indices.device.type == "cpu" and b >= 0 and knobs.NATIVE.get() and _cplan is not None:
         kv_lens, kv_bases = np.empty(b, dtype=np.int64), np.empty(b, dtype=np.int64)
         status, used, max_page = _cplan.read_paged(indptr.numpy(), last_page_len.numpy(), indices.numpy(), page_size,
@@ -438,8 +445,7 @@ def read_prefill(qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.T
     read_qo_indptr's and read_paged's checks, the longest request and the causal rule read on the way. None where
     the compiled core is not built or off, where the page ids are reduced on the device, or where a rule is broken:
     the caller then reads through read_qo_indptr and read_paged, which raise the error in their words."""
-    if page_range is not None and len(page_range) == 1:   # device page ids, copied to the host
-        indices, page_range = page_range[0], None
+    indices, page_range = _host_ids(indices, page_range)
     if page_range is not None or _cplan is None or indices.device.type != "cpu" or not knobs.NATIVE.get():
         return None
     b = qo_indptr.numel() - 1

@@ -86,7 +86,7 @@ setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT 
 
 if has smoke; then   # each family, and sm90's three-consumer tile, on a few batches, each under its own timeout: a
   # hanging one is left out of the GPU tests (and tsweep) below, so a broken kernel costs seconds, not the call
-  for entry in fa2 sm90 sm90:q192kv64; do
+  for entry in fa2 sm90 sm90:q192kv64 sm90:kv160 sm90:kv176q1; do
     t=$(date +%s)
     timeout -k 5 ${SMOKE_TIMEOUT:-120} python3 scripts/smoke.py $entry >"$OUT/smoke-${entry/:/-}.txt" 2>&1
     rc=$?

@@ -157,6 +157,30 @@ def test_sm90_sass_report_finds_the_main_loop():
 
 
 @pytest.mark.nvcc
+@pytest.mark.parametrize("tile,page_size,dtype,hgmma", [("kv160", 16, "fp16", 18), ("kv176q1", 16, "bf16", 19)])
+def test_sm90_wide_kv_tiles_compile_with_a_main_loop_in_registers(tmp_path, tile, page_size, dtype, hgmma):
+    """The wide K/V tiles (160 and 176 keys: S and P in 120-132 registers beside O's 64, 232 a consumer thread):
+    HGMMA, no serialized wgmma, D/16 + N/16 HGMMA an iteration, no local memory in the consumers' main loop; ptxas
+    spills a few bytes of per-item state outside it (kv160 16 B, kv176q1 none at page 16 when this test was written;
+    at page 1 the producer, at 40 registers beside its per-token page ids, spills 144-176 B). Refused over fp8."""
+    from benchmarks import sm90_sass as ss
+
+    spec = AttentionSpec(op="prefill", head_dim=128, page_size=page_size, dtype=dtype, mask="causal", group_size=4,
+                         family="sm90", arch="sm_90a", tile=tile)
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
+    assert "serialized" not in log, log
+    ins = ss.instructions(sass)
+    first, last, _, _ = ss.loop_bounds(ins)
+    assert [t for _, t, _ in ins[first:last + 1] if ss.opcode(t) in ("LDL", "STL")] == []
+    assert sum(ss.opcode(t) == "HGMMA" for _, t, _ in ins[first:last + 1]) == hgmma
+    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)]
+    assert spills and max(spills) <= 96, log
+    with pytest.raises(ValueError, match=tile):
+        AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3",
+                      mask="causal", group_size=4, family="sm90", arch="sm_90a", tile=tile)
+
+
+@pytest.mark.nvcc
 def test_sm90_three_consumers_compile_with_a_main_loop_in_registers(tmp_path):
     """The three-consumer tile (q192kv64: 192-row items, 64-token K/V tiles, 160 registers a consumer thread; here
     at head_dim 128, where its registers are tightest):

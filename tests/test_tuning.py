@@ -27,7 +27,7 @@ GPU = tuning.gpu_id("sm_90a", 132)   # what plan() asks for on this machine (no 
 
 def test_tile_field_names_a_configuration_of_the_family():
     # head_dim 64 and 128 over a 16-bit cache also have the three-consumer tile; head_dim 256 and fp8 caches do not
-    every = ("kv128", "kv128q1", "kv64s3", "kv128t8", "q192kv64")
+    every = ("kv128", "kv128q1", "kv64s3", "kv128t8", "q192kv64", "kv160", "kv176q1")
     assert families.tile_names(AttentionSpec(**PREFILL)) == every
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == every
     fp8 = {k: v for k, v in PREFILL.items() if k != "dtype"}

@@ -106,13 +106,19 @@ CONFIGS: dict[str, dict[str, int]] = {
     "kv64s3": dict(cta_kv=64, stages=3, q_stages=2),    # smaller K/V tiles, one more in flight
     "kv128t8": dict(cta_kv=128, stages=2, q_stages=2, tau=8),  # O rescaled only when a row max grows past m + 8
 }
+# Wider K/V tiles over a 16-bit cache, head_dim 64 or 128: an iteration's fixed costs (the O rescale, the row
+# statistics, the turn and the K/V barriers) spread over more keys (FA3 takes 176 for non-causal head_dim 128); S and P
+# need 3N/4 registers, so the consumers take 232 (sm90/traits.cuh), and 176 leaves room for one Q tile only.
+CONFIGS_WIDE: dict[str, dict[str, int]] = {"kv160": dict(cta_kv=160, stages=2, q_stages=2),
+                                           "kv176q1": dict(cta_kv=176, stages=2, q_stages=1)}
 # Three consumers of 64 rows (192-row items) over 64-token K/V tiles, head_dim 64 or 128 over a 16-bit cache only
 # (their 160 registers hold O, S and P of a 64 x 64 tile): the softmax of one beside the other two's GEMMs (RESULTS.md,
 # runs 55-58: a softmax beside wgmma runs 1.6x longer than alone, longer than one other warpgroup's GEMMs).
 CONFIGS_3: dict[str, dict[str, int]] = {"q192kv64": dict(cta_kv=64, stages=3, q_stages=2, consumers=3)}
 # Configurations built and tested on the host only so far: a spec or a wrapper may name them (the GPU tests and the
 # tsweep stage do), but attnjit tune does not search them until they have run on a GPU (RESULTS.md). Empty now:
-# q192kv64 ran in run 60 (its 11 tile-matrix cases passed; faster than kv128 on 1x8192 and the d64 row).
+# q192kv64 ran in run 60 (its 11 tile-matrix cases passed; faster than kv128 on 1x8192 and the d64 row), kv160 and
+# kv176q1 in run 78 (9 tile-matrix cases each passed; kv176q1 +4% on causal 1x8192, slower on short rows).
 UNTUNED: frozenset[str] = frozenset()
 CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q_stages=1)}
 
@@ -121,7 +127,7 @@ def _configs(spec: "AttentionSpec") -> dict[str, dict[str, int]]:
     if spec.head_dim_qk == 256:
         return CONFIGS_D256
     if spec.head_dim_qk <= 128 and not _fp8(spec):
-        return {**CONFIGS, **CONFIGS_3}
+        return {**CONFIGS, **CONFIGS_3, **CONFIGS_WIDE}
     return CONFIGS
 
 

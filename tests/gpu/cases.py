@@ -217,7 +217,8 @@ TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t
     [(c, "q192kv64") for c in TILE_CASES + [replace(_P, name="paged-d64-tiles", head_dim=64),
                                             replace(_R, name="ragged-d64-fp16-tiles", head_dim=64,
                                                     dtype=torch.float16, causal=False)]
-     if c.kv is None and c.head_dim <= 128]  # three consumers: a 16-bit cache, head_dim 64 or 128
+     if c.kv is None and c.head_dim <= 128] + \
+    [(c, t) for c in TILE_CASES if c.kv is None for t in ("kv160", "kv176q1")]  # wide K/V tiles: 16-bit caches
 
 # Specs the other GPU tests (graphs, recording, merge, append, single-request helpers) compile.
 EXTRA_SPECS = [

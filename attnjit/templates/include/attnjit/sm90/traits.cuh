@@ -46,8 +46,11 @@ struct Sm90Traits {
   static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
   // (head_dim 256 over fp8: the producer's ring counters and in-place conversion need 32)
   // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
-  static constexpr int PRODUCER_REGS = CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : 56;
-  static constexpr int CONSUMER_REGS = CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : 224;
+  // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40.
+  static constexpr int PRODUCER_REGS =
+      CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : CTA_KV_ > 128 ? 40 : 56;
+  static constexpr int CONSUMER_REGS =
+      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : CTA_KV_ > 128 ? 232 : 224;
   static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;

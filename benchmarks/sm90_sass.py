@@ -43,7 +43,18 @@ def spec_for(kv: str | None = None, tile: str | None = None, head_dim: int = 128
 
 
 def sass_of(spec: AttentionSpec) -> str:
-    """The spec's kernel compiled here and disassembled (cuobjdump -sass)."""
+    """The spec's (first) kernel compiled here and disassembled (cuobjdump -sass): a default module also holds the
+    long-batch tile (sm90.LONG_TILE), whose function is left out."""
+    from attnjit.families import sm90
+
+    full = _module_sass(spec)
+    name = sm90.tiles(spec)[0].kernel
+    parts = re.split(r"^\s*Function : ", full, flags=re.M)
+    mine = [part for part in parts[1:] if part.split(None, 1)[0] == name]
+    return "Function : " + mine[0] if mine else full
+
+
+def _module_sass(spec: AttentionSpec) -> str:
     tool = cuobjdump()
     if tool is None:
         raise SystemExit("sm90_sass.py: cuobjdump not found (pip install nvidia-cuda-cuobjdump)")

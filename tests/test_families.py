@@ -16,6 +16,7 @@ from attnjit import families
 from attnjit.families import fa2, sm90
 from attnjit.generator import INCLUDE_DIR, TEMPLATE_DIR, render
 from attnjit.specs import AttentionSpec, SpecError
+from attnjit.variants import SOFTCAP
 from attnjit.toolchain import flags_for, nvcc
 
 from .cpu_support import assert_no_spills, compile_kernel
@@ -178,6 +179,38 @@ def test_sm90_wide_kv_tiles_compile_with_a_main_loop_in_registers(tmp_path, tile
     with pytest.raises(ValueError, match=tile):
         AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3",
                       mask="causal", group_size=4, family="sm90", arch="sm_90a", tile=tile)
+
+
+def test_sm90_default_module_takes_its_long_tile_for_long_batches():
+    """The default sm90 module holds kv128 and sm90.LONG_TILE (kv176q1); plan() takes the long one when the batch's
+    query rows see >= LONG_KEYS keys on average (causal: a request's rows see kv - qo + 1 .. kv). A named tile, a
+    variant, fp8, head_dim 256 and page sizes other than 16 keep one kernel."""
+    from tests.gpu.cases import HISTORY_KV, HISTORY_QO, LONG_KV, LONG_QO, MIXED_KV, MIXED_QO
+
+    base = dict(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4, family="sm90",
+                arch="sm_90a")
+    spec = AttentionSpec(**base)
+    short, long = sm90.tiles(spec)
+    assert (short.cta_kv, short.q_stages, long.cta_kv, long.q_stages) == (128, 2, 176, 1)
+    pick = lambda s, qo, kv: sm90.choose_tile(s, qo_lens=qo, kv_lens=kv, num_kv_heads=8,  # noqa: E731
+                                             allow_split=True, capacity=lambda t: 132)
+    assert pick(spec, HISTORY_QO, HISTORY_KV) is long and pick(spec, LONG_QO, LONG_KV) is long
+    assert pick(spec, MIXED_QO, MIXED_KV) is short
+    assert pick(spec, [8192], [8192]) is long and pick(spec, [2048] * 8, [2048] * 8) is short   # means 4096.5, 1024.5
+    assert pick(spec, [4000], [4000]) is short and pick(spec, [4096], [4096]) is long   # 2000.5, 2048.5 keys a row
+    noncausal = AttentionSpec(**{**base, "mask": "none"})
+    assert pick(noncausal, [2048] * 8, [2048] * 8) is sm90.tiles(noncausal)[1]
+    assert pick(noncausal, [512] * 32, [512] * 32) is sm90.tiles(noncausal)[0]
+    assert pick(spec, [0, 0], [5000, 5000]) is short and sm90.choose_tile(
+        spec, qo_lens=[8192], num_kv_heads=8, allow_split=True, capacity=lambda t: 132) is short  # no kv_lens given
+    assert sm90.mean_keys([4, 0], [10, 99], causal=True) == pytest.approx(8.5)
+    ragged = AttentionSpec(**{k: v for k, v in base.items() if k != "page_size"}, kv="ragged")
+    assert len(sm90.tiles(ragged)) == 2
+    for other in (dict(tile="kv128q1"), dict(page_size=1), dict(page_size=48), dict(head_dim=256),
+                  dict(variant=SOFTCAP)):
+        assert len(sm90.tiles(AttentionSpec(**{**base, **other}))) == 1, other
+    fp8 = {k: v for k, v in base.items() if k != "dtype"}
+    assert len(sm90.tiles(AttentionSpec(**fp8, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3"))) == 1
 
 
 @pytest.mark.nvcc

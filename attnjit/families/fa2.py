@@ -157,10 +157,10 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,
-                capacity: Callable[[Tile], int]) -> Tile:
+                capacity: Callable[[Tile], int], kv_lens: Sequence[int] | None = None) -> Tile:
     """The tile plan() runs for a batch: the narrowest whose rows hold every request's packed rows (else the widest);
     for decode, the deep tile when the batch alone cannot fill the GPU (``capacity(tile)`` = resident CTAs over all
-    SMs, the split-KV case)."""
+    SMs, the split-KV case). ``kv_lens`` (the families' common signature) does not enter fa2's choice."""
     all_tiles = tiles(spec)
     group = spec.group_size
     qo = np.asarray(qo_lens, dtype=np.int64)

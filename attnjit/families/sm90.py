@@ -19,6 +19,8 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
+import numpy as np
+
 from .. import dtypes
 
 if TYPE_CHECKING:
@@ -135,18 +137,49 @@ def tile_names(spec: "AttentionSpec") -> tuple[str, ...]:
     return tuple(_configs(spec))
 
 
+# The default configuration's module also holds LONG_TILE for batches of long requests, where it is faster (run 79:
+# causal 1x8192 536 against 516 TFLOP/s, non-causal 1x8192 559 / 524, non-causal 8x2048 525 / 512) and which it
+# loses at short ones (causal 8x2048 441 / 459, 32x512 262 / 318): plan() takes it when the batch's query rows see
+# LONG_KEYS keys or more on average. Only without a variant (the tile matrix of the GPU tests runs LONG_TILE on
+# the variant-free cases) and over a ragged cache or pages of 16 (the benchmarked size; at page 1, 48 or 1024 its
+# 40-register producer spills 130-176 B).
+LONG_TILE = "kv176q1"
+LONG_KEYS = 2048
+
+
+def _has_long_tile(spec: "AttentionSpec") -> bool:
+    return (spec.tile is None and spec.variant is None and LONG_TILE in _configs(spec)
+            and spec.page_size in (None, 0, 16))
+
+
 @functools.lru_cache(maxsize=512)
 def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
-    """The module's one kernel: ``spec.tile``'s configuration, else the default."""
+    """The module's kernels: ``spec.tile``'s configuration, else the default (and LONG_TILE, _has_long_tile)."""
     configs = _configs(spec)
-    config = configs[spec.tile] if spec.tile is not None else next(iter(configs.values()))
-    fp8 = _fp8(spec)
-    return (Tile(spec.head_dim_qk, spec.page_size or 0, **config, q_to_half=fp8 and spec.dtype_q == "bf16"),)
+    names = [spec.tile] if spec.tile is not None else [next(iter(configs))]
+    if _has_long_tile(spec):
+        names.append(LONG_TILE)
+    q_to_half = _fp8(spec) and spec.dtype_q == "bf16"
+    return tuple(Tile(spec.head_dim_qk, spec.page_size or 0, **configs[n], q_to_half=q_to_half) for n in names)
+
+
+def mean_keys(qo_lens: Sequence[int], kv_lens: Sequence[int], causal: bool) -> float:
+    """Keys a query row of the batch sees on average (causal: a request's rows see kv - qo + 1 ... kv keys)."""
+    qo = np.asarray(qo_lens, dtype=np.int64)
+    rows = int(qo.sum())
+    if rows <= 0:
+        return 0.0
+    keys = np.asarray(kv_lens, dtype=np.float64) - (qo - 1) / 2 if causal else np.asarray(kv_lens, dtype=np.float64)
+    return float(np.dot(qo, np.maximum(keys, 0.0))) / rows
 
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,
-                capacity: Callable[[Tile], int]) -> Tile:
-    return tiles(spec)[0]
+                capacity: Callable[[Tile], int], kv_lens: Sequence[int] | None = None) -> Tile:
+    """The module's default tile, or its LONG_TILE for a batch whose rows see LONG_KEYS keys or more on average."""
+    ts = tiles(spec)
+    if len(ts) > 1 and kv_lens is not None and mean_keys(qo_lens, kv_lens, spec.mask == "causal") >= LONG_KEYS:
+        return ts[1]
+    return ts[0]
 
 
 def prefers(spec: "AttentionSpec", max_packed_rows: int) -> bool:

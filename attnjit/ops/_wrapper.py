@@ -206,7 +206,7 @@ class _AttentionWrapper(FlashInferAliases):
         # the deep decode tile serves split-KV batches; a captured graph replays the kernel it captured: later
         # plans keep the first plan's tile
         tile = graph.work.tile if graph is not None else families.get(spec.family).choose_tile(
-            spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads,
+            spec, qo_lens=qo_lens, num_kv_heads=num_kv_heads, kv_lens=batch.kv_lens,
             allow_split=not opts.disable_split_kv and not self._use_cuda_graph, capacity=capacity)
         key = (spec, tile, sms, num_qo_heads, num_kv_heads, opts.sm_scale, opts.fixed_split_size,
                opts.disable_split_kv, tuple(binding.bound))

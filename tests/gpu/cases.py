@@ -80,8 +80,11 @@ _R = Case("ragged", "ragged", MIXED_QO, MIXED_KV)
 _D = Case("decode", "decode", kv_lens=DEC_SHORT, causal=False)
 F16 = torch.float16
 
+# rows that see >= 2048 keys on average: the sm90 default module runs its long-batch tile (sm90.LONG_TILE) on them
+HISTORY_QO, HISTORY_KV = (300, 64), (4096, 2500)
 PAGED = [
     replace(_P, name="paged-seed-fp16-p4", qo_lens=SEED_QO, kv_lens=SEED_KV, dtype=F16, page_size=4),
+    replace(_P, name="paged-long-history", qo_lens=HISTORY_QO, kv_lens=HISTORY_KV, heads=(8, 2)),
     _P,
     replace(_P, name="paged-noncausal", causal=False),
     replace(_P, name="paged-fp16", dtype=F16),
@@ -120,6 +123,8 @@ PAGED = [
 ]
 _RAMP = replace(_R, name="ragged-rising-logits", ramp=1 / 25)  # the running max moves by more than 8 tile after tile
 RAGGED = [
+    replace(_R, name="ragged-long-history-noncausal-fp16", qo_lens=(200,), kv_lens=(3000,), causal=False,
+            dtype=F16, heads=(8, 2)),
     _R,
     _RAMP,
     replace(_R, name="ragged-fp16-noncausal", dtype=F16, causal=False),

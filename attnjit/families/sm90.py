@@ -4,7 +4,8 @@ One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared mem
 mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
 tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent. The tile
 configuration ``q192kv64`` has three consumers (192-row items, 64-token K/V tiles; head_dim 64 and 128 over a
-16-bit cache), taking turns at the tensor cores in a ring.
+16-bit cache), taking turns at the tensor cores in a ring. ``kv160`` and ``kv176q1`` have wider K/V tiles; the
+default module also holds ``kv176q1`` and plan() runs it for batches of long requests (``choose_tile``).
 
 An fp8 cache (e4m3, e5m2) is copied as stored into the fp16 tiles it becomes and converted there by the producer
 (``sm90/producer.cuh``); the wgmma then run in fp16, a bf16 q rescaled per row into fp16 by the consumers.

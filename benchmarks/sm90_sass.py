@@ -47,11 +47,9 @@ def sass_of(spec: AttentionSpec) -> str:
     long-batch tile (sm90.LONG_TILE), whose function is left out."""
     from attnjit.families import sm90
 
-    full = _module_sass(spec)
     name = sm90.tiles(spec)[0].kernel
-    parts = re.split(r"^\s*Function : ", full, flags=re.M)
-    mine = [part for part in parts[1:] if part.split(None, 1)[0] == name]
-    return "Function : " + mine[0] if mine else full
+    parts = re.split(r"^\s*Function : ", _module_sass(spec), flags=re.M)
+    return "Function : " + next(part for part in parts[1:] if part.split(None, 1)[0] == name)
 
 
 def _module_sass(spec: AttentionSpec) -> str:

@@ -204,6 +204,9 @@ def test_sm90_default_module_takes_its_long_tile_for_long_batches():
     assert pick(spec, [0, 0], [5000, 5000]) is short and sm90.choose_tile(
         spec, qo_lens=[8192], num_kv_heads=8, allow_split=True, capacity=lambda t: 132) is short  # no kv_lens given
     assert sm90.mean_keys([4, 0], [10, 99], causal=True) == pytest.approx(8.5)
+    d64 = AttentionSpec(**{**base, "head_dim": 64})   # from 1024 keys a row at head_dim 64 (sm90.long_keys)
+    assert pick(d64, [2048] * 8, [2048] * 8) is sm90.tiles(d64)[1] and pick(d64, [2000] * 8, [2000] * 8) is \
+        sm90.tiles(d64)[0]
     ragged = AttentionSpec(**{k: v for k, v in base.items() if k != "page_size"}, kv="ragged")
     assert len(sm90.tiles(ragged)) == 2
     for other in (dict(tile="kv128q1"), dict(page_size=1), dict(page_size=48), dict(head_dim=256),

@@ -141,11 +141,19 @@ def tile_names(spec: "AttentionSpec") -> tuple[str, ...]:
 # The default configuration's module also holds LONG_TILE for batches of long requests, where it is faster (run 79:
 # causal 1x8192 536 against 516 TFLOP/s, non-causal 1x8192 559 / 524, non-causal 8x2048 525 / 512) and which it
 # loses at short ones (causal 8x2048 441 / 459, 32x512 262 / 318): plan() takes it when the batch's query rows see
-# LONG_KEYS keys or more on average. Only without a variant (the tile matrix of the GPU tests runs LONG_TILE on
+# long_keys() keys or more on average. Only without a variant (the tile matrix of the GPU tests runs LONG_TILE on
 # the variant-free cases) and over a ragged cache or pages of 16 (the benchmarked size; at page 1, 48 or 1024 its
 # 40-register producer spills 130-176 B).
+# At head_dim 64 an iteration's fixed costs weigh twice as much against its GEMMs, and the wide tile wins from
+# about 1024 keys a row (run 79: causal d64 8x2048, 1024.5 keys a row, kv128 317 against kv176q1 334 TFLOP/s).
 LONG_TILE = "kv176q1"
 LONG_KEYS = 2048
+LONG_KEYS_BY_HEAD_DIM = {64: 1024}
+
+
+def long_keys(head_dim: int) -> int:
+    """The mean keys a query row must see for plan() to take LONG_TILE."""
+    return LONG_KEYS_BY_HEAD_DIM.get(head_dim, LONG_KEYS)
 
 
 def _has_long_tile(spec: "AttentionSpec") -> bool:
@@ -186,9 +194,10 @@ def mean_keys(qo_lens: Sequence[int], kv_lens: Sequence[int], causal: bool) -> f
 
 def choose_tile(spec: "AttentionSpec", *, qo_lens: Sequence[int], num_kv_heads: int, allow_split: bool,
                 capacity: Callable[[Tile], int], kv_lens: Sequence[int] | None = None) -> Tile:
-    """The module's default tile, or its LONG_TILE for a batch whose rows see LONG_KEYS keys or more on average."""
+    """The module's default tile, or its LONG_TILE for a batch whose rows see long_keys() keys or more on average."""
     ts = tiles(spec)
-    if len(ts) > 1 and kv_lens is not None and mean_keys(qo_lens, kv_lens, spec.mask == "causal") >= LONG_KEYS:
+    if len(ts) > 1 and kv_lens is not None and \
+            mean_keys(qo_lens, kv_lens, spec.mask == "causal") >= long_keys(spec.head_dim_qk):
         return ts[1]
     return ts[0]
 

@@ -134,6 +134,20 @@ PARAMS: dict[str, ParamLayout] = {
         lse_out_stride_n: i64: .
         lse_out_stride_h: i64: .
     """)),
+    "merge_partials": ParamLayout(_p("""
+        v: ptr: [rows, H, D] the state merged into, in place
+        lse: ptr: [rows, H] f32, in place
+        tmp_o: ptr: [slots, H, D] f32 partial states a deferred-merge plan wrote
+        tmp_lse: ptr: [slots, H] f32
+        table: ptr: [rows][3] i32 row's first slot, slot stride between its chunks, chunks
+        num_rows: i64: rows
+        num_heads: i64: H
+        v_stride_n: i64: element strides
+        v_stride_h: i64: .
+        lse_stride_n: i64: .
+        lse_stride_h: i64: .
+        partial_scale: f64: the partials' o times this (run()'s float v_scale of a 16-bit plan; 1 for none)
+    """)),
     "append": ParamLayout(_p("""
         k: ptr: [nnz, H_kv, D] new keys
         v: ptr: [nnz, H_kv, D] new values
@@ -281,6 +295,7 @@ def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
         ctx.update(ctype_o=dtypes.of(spec.dtype_o).ctype, head_dim=spec.head_dim_vo, block=128)
         kernels["attnjit_merge_state"] = KernelInfo("attnjit_merge_state", 128, 0, PARAMS["merge_two"])
         kernels["attnjit_merge_states"] = KernelInfo("attnjit_merge_states", 128, 0, PARAMS["merge_many"])
+        kernels["attnjit_merge_partials"] = KernelInfo("attnjit_merge_partials", 128, 0, PARAMS["merge_partials"])
     elif spec.op == "append_kv":
         ctx.update(ctype_kv=dtypes.of(spec.dtype_kv).ctype, head_dim=spec.head_dim_qk, page_size=spec.page_size,
                    hnd=cpp_bool(spec.layout == "HND"), block=128)

@@ -4,14 +4,16 @@ Workload: 16 requests share an 8192-token prefix and each has its own 256-token 
 H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages shuffled. Timed four ways in one process:
   * attnjit flat: BatchDecodeWithPagedKVCacheWrapper over each request's whole page table (the prefix pages appear
     in all 16 tables: what an engine does without cascade);
-  * attnjit cascade: MultiLevelCascadeAttentionWrapper, 2 levels (the prefix once for the group, then the suffixes),
-    merged with merge_state_in_place;
+  * attnjit cascade: MultiLevelCascadeAttentionWrapper, 2 levels (the prefix once for the group as a deferred-merge
+    plan on half the GPU, the suffixes beside it on a side stream, then merge_partials folds the prefix's KV chunks
+    into the suffixes' state), and the same plans on one stream;
   * FlashInfer's MultiLevelCascadeAttentionWrapper and its flat decode wrapper on the same cache and tables.
 Figures: ms per call (every launch of a call), the speed-up of cascade over flat, and the bytes a call must read
 at least (prefix once + suffixes: the floor for cascade) against the flat bytes (every request's whole history).
 Each is timed twice: eagerly, back to back (a cascade call is three short launches, so its host time can exceed its
 GPU time and set the figure), and as CUDA-graph replays (the GPU's time, as a graph-mode decode step runs it); the
-graph rows also time attnjit's cascade by part (level 0, level 1, the merge).
+graph rows also time attnjit's cascade by part (level 1; level 0 with its merge_partials; merge_state_in_place, what
+a non-deferred level 0 would add) and level 0 alone by family, split size and deferred or in-kernel merge.
 Targets (issue 14): attnjit cascade >= 3x attnjit flat, and faster than FlashInfer's cascade.
 """
 
@@ -91,13 +93,22 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     out_casc = torch.empty_like(q)
     both("attnjit_cascade", lambda: casc.run(q, cache, out=out_casc))
     row["attnjit_cascade_plan"] = casc.last_plan
-    # by part, in graphs: level 0 (the prefix, one group), level 1 (the suffixes), merge_state_in_place
+    row["attnjit_cascade_overlapped"] = casc._overlapped   # level 0 beside the last level (a side stream)
+    seq = attnjit.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")   # A/B: the same plans, one stream
+    seq.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT)
+    seq._can_overlap = lambda q: False
+    out_seq = torch.empty_like(q)
+    both("attnjit_cascade_one_stream", lambda: seq.run(q, cache, out=out_seq))
+    # by part, in graphs: level 1 (the suffixes), level 0 (the prefix, one group: a deferred plan, so its run()
+    # includes merge_partials into level 1's state), and merge_state_in_place (what a non-deferred level 0 adds)
     (w0, w1), (o0, l0) = casc._batch_prefill_wrappers, casc._scratch[0]
     o1, l1 = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
-    parts = {"level0": lambda: w0.run(q, cache, out=o0, lse=l0), "level1": lambda: w1.run(q, cache, out=o1, lse=l1),
+    w1.run(q, cache, out=o1, lse=l1)
+    parts = {"level1": lambda: w1.run(q, cache, out=o0, lse=l0), "level0": lambda: w0.run(q, cache, out=o1, lse=l1),
              "merge": lambda: attnjit.merge_state_in_place(o1, l1, o0, l0)}
     for name, fn in parts.items():
-        both(f"attnjit_{name}", fn, eager=False)
+        both(f"attnjit_{name}", fn)
+    row["attnjit_cascade_host_us"] = _host_us(lambda: casc.run(q, cache, out=out_casc))
     level0_sweep(row, arrays, q, cache, ws, time_ms)
     row["max_diff_cascade_vs_flat"] = (out_casc.float() - out_flat.float()).abs().max().item()
     row["attnjit_speedup"] = row["attnjit_flat_ms"] / row["attnjit_cascade_ms"]
@@ -120,6 +131,22 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     results.append(row)
 
 
+def _host_us(fn: Callable, calls: int = 200) -> float:
+    """Host microseconds per call, back to back with no synchronization (the GPU may lag behind; what is timed is
+    the Python and the launches): tells an eager figure that the host sets from one the GPU sets."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
 def level0_sweep(row: dict, arrays, q, cache, ws, time_ms: Callable) -> None:
     """Level 0 alone (the 16 query rows of the group over the 8192-token prefix), graph replays, under each kernel
     family and split size: ``row["level0_sweep"]`` = [{backend, fixed_split_size, plan, graph_ms}]."""
@@ -128,12 +155,15 @@ def level0_sweep(row: dict, arrays, q, cache, ws, time_ms: Callable) -> None:
     qo, kvp, idx, last = (a[0] for a in arrays)
     o, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     out = []
-    for backend in ("auto", "fa2"):
-        for split in (None, 256, 1024, 2048):
+    o.zero_(), lse.fill_(float("-inf"))   # a state the deferred plans merge into
+    for backend, deferred in (("auto", True), ("auto", False), ("fa2", True), ("fa2", False)):
+        for split in (None, 256, 512, 1024, 2048):
             w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            w._defer_merge = deferred   # the cascade's prefix levels (scheduler.defer_merges): + merge_partials
             w.plan(qo, kvp, idx, last, H_Q, H_KV, D, PS, q_data_type=DT, fixed_split_size=split)
             ms = time_ms(lambda: w.run(q, cache, out=o, lse=lse), graph=True)
-            out.append({"backend": backend, "fixed_split_size": split, "plan": w.last_plan, "graph_ms": ms})
+            out.append({"backend": backend, "deferred": deferred, "fixed_split_size": split, "plan": w.last_plan,
+                        "graph_ms": ms})
     row["level0_sweep"] = out
 
 
@@ -148,11 +178,19 @@ def table(rows: list[dict]) -> str:
                          f"{ms(r, 'attnjit_cascade' + g + '_ms')} | {x(r, 'attnjit' + g + '_speedup')} | "
                          f"{ms(r, 'flashinfer_cascade' + g + '_ms')} | {ms(r, 'flashinfer_flat' + g + '_ms')} | "
                          f"{x(r, 'attnjit_cascade_vs_flashinfer_cascade' + g)} |")
-        if "attnjit_level0_graph_ms" in r:
-            lines.append(f"\nattnjit cascade by part (graph): level 0 {ms(r, 'attnjit_level0_graph_ms')}, level 1 "
-                         f"{ms(r, 'attnjit_level1_graph_ms')}, merge {ms(r, 'attnjit_merge_graph_ms')}")
+        for how, g in (("eager", ""), ("graph", "_graph")):
+            if f"attnjit_level0{g}_ms" in r:
+                lines.append(f"attnjit cascade by part ({how}): level 0 {ms(r, f'attnjit_level0{g}_ms')}, level 1 "
+                             f"{ms(r, f'attnjit_level1{g}_ms')}, merge {ms(r, f'attnjit_merge{g}_ms')}")
+        if "attnjit_cascade_one_stream_graph_ms" in r:
+            lines.append(f"attnjit cascade level 0 beside the last level: {r.get('attnjit_cascade_overlapped')}; "
+                         f"the same plans on one stream: {ms(r, 'attnjit_cascade_one_stream_ms')} eager, "
+                         f"{ms(r, 'attnjit_cascade_one_stream_graph_ms')} graph")
+        if "attnjit_cascade_host_us" in r:
+            lines.append(f"attnjit cascade host time per call: {r['attnjit_cascade_host_us']:.1f} us")
         for v in r.get("level0_sweep", []):
             p = v["plan"]
-            lines.append(f"level 0 alone, backend {v['backend']}, fixed_split_size {v['fixed_split_size']}: "
+            lines.append(f"level 0 alone, backend {v['backend']}{', deferred merge' if v.get('deferred') else ''}, "
+                         f"fixed_split_size {v['fixed_split_size']}: "
                          f"{v['graph_ms']:.4f} ms ({p['family']} {p['tile']}, {p['ctas']} CTAs, chunk {p['chunk_kv']})")
     return "\n".join(lines)

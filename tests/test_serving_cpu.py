@@ -314,7 +314,7 @@ CASCADE_BAD = {
     "wrong level count": (dict(paged_kv_indptr_arr=[i32([0, 10])]), ValueError,
                           r"paged_kv_indptr_arr has 1 entries; this wrapper has num_levels=2"),
     "rows differ": (dict(qo_indptr_arr=[i32([0, 3]), i32([0, 1, 4])]), ValueError,
-                    r"qo_indptr_arr\[1\]\[-1\]=4 but qo_indptr_arr\[0\]\[-1\]=3"),
+                    r"qo_indptr_arr\[0\]\[-1\]=3 but qo_indptr_arr\[1\]\[-1\]=4"),
     "window": (dict(window_left=8), NotImplementedError, r"window_left=8 with 2 cascade levels"),
     "rope": (dict(pos_encoding_mode="ROPE_LLAMA"), NotImplementedError,
              r"pos_encoding_mode='ROPE_LLAMA' with 2 cascade levels"),

@@ -24,7 +24,8 @@ from ._running import Plan, check_q_out, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
-from .scheduler import MAX_WORK_ITEMS, WorkPlan, plan_work
+from .merge import merge_partials_in_place
+from .scheduler import MAX_WORK_ITEMS, WorkPlan, defer_merges, plan_work
 
 
 @dataclass(slots=True)
@@ -45,6 +46,7 @@ class _Prepared:
 
 _A = PARAMS["attention"].index  # the fields each plan fills, at their PARAMS["attention"] positions
 _KVI, _WORK, _WC, _MC = _A["kv_indices"], _A["work"], _A["work_count"], _A["merge_counters"]
+_TMP_O, _TMP_LSE = _A["tmp_o"], _A["tmp_lse"]
 _NO_POINTERS = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
 
 
@@ -61,9 +63,16 @@ def args_key(values: tuple) -> tuple | None:
     return values, types
 
 
-def _schedule(batch: P.Batch, sched: dict) -> WorkPlan:
-    return plan_work(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
-                     kv_bases=batch.kv_bases, **sched)
+def _schedule(batch: P.Batch, sched: dict, defer: bool = False) -> WorkPlan:
+    work = plan_work(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
+                     kv_bases=batch.kv_bases, merge_in_kernel=not defer, **sched)
+    return defer_merges(work, batch.total_q, sched["max_slots"]) if defer else work
+
+
+def _mergeable(variant) -> bool:
+    """Whether merge_partials may combine this variant's partial states: softmax ones with no output transform
+    (which the kernels apply to a finished row only)."""
+    return variant is None or all(part.use_softmax and not part.hook("output_transform") for part in variant.parts)
 
 
 def _arch_for(device: torch.device) -> str:
@@ -121,6 +130,15 @@ class _AttentionWrapper(FlashInferAliases):
         self._prepared: dict[tuple, _Prepared] = {}       # plan key -> what it fixes: _prepare
         self._args_memo: tuple | None = None              # (args_key, checked values) of the last plan(): _checked
         self._handle = _handles.register(self)            # how torch.ops.attnjit.batch_run names this wrapper
+        # the cascade's prefix levels: plans whose split groups are merged by merge_partials into the (out, lse) run()
+        # is given, after the kernel, rather than by each group's last CTA (scheduler.defer_merges)
+        self._defer_merge = False
+        # ... and such a plan that splits its KV to fill the GPU fills half of it (the cascade runs its last level on
+        # the other half, beside it: MultiLevelCascadeAttentionWrapper.run)
+        self._share_gpu = False
+        self._hold_merge = False   # _run_partials: run() leaves a deferred plan's merge to the caller
+        self._held_merge: tuple | None = None
+        self._table_buf: torch.Tensor | None = None       # graph mode: a deferred plan's merge table (_merge_table)
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -213,7 +231,10 @@ class _AttentionWrapper(FlashInferAliases):
         prep = self._prepared.get(key)
         if prep is None:
             prep = self._prepared[key] = self._prepare(key, binding)
-        work = _schedule(batch, prep.sched)
+        defer = self._defer_merge and _mergeable(spec.variant)
+        work = _schedule(batch, prep.sched, defer)
+        if defer and self._share_gpu and work.chunk is not None:   # split to fill the GPU: fill half of it
+            work = _schedule(batch, {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)}, defer)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
         plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
@@ -232,9 +253,27 @@ class _AttentionWrapper(FlashInferAliases):
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = _NO_POINTERS
         self._fill_launch(plan, prep, ptr)
+        if defer and on_gpu:
+            plan.merge_table = self._merge_table(work.merge_table)
+            plan.partials = (prep.values[_TMP_O], prep.values[_TMP_LSE])
         if self._use_cuda_graph and self._meta.batch is None:
             self._meta.batch = size
         self._plan = plan
+
+    def _merge_table(self, table: np.ndarray) -> torch.Tensor:
+        """A deferred plan's merge table on the device, copied asynchronously (the pinned source is torch's, freed
+        only once the copy is done). Graph mode: always the same buffer (the captured merge reads its address)."""
+        host = torch.from_numpy(table).pin_memory()
+        buf = self._table_buf
+        if buf is None or not self._use_cuda_graph:
+            buf = torch.empty(table.shape, dtype=torch.int32, device=self._device)
+            if self._use_cuda_graph:
+                self._table_buf = buf
+        elif buf.shape != table.shape:
+            raise ValueError(f"use_cuda_graph: this plan has {table.shape[0]} query rows but the graph was planned for "
+                             f"{buf.shape[0]}")
+        buf.copy_(host, non_blocking=True)
+        return buf
 
     def _checked(self, args: dict[str, Any]) -> tuple:
         """P.plan_scalars(args), or its result for the last plan() when ``args`` has the same values, of the same
@@ -397,9 +436,32 @@ class _AttentionWrapper(FlashInferAliases):
         post = kv_scales(plan, self._device, k_scale, v_scale)
         self._require_gpu(plan)
         launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse)
-        if post is not None:
+        if plan.merge_table is not None:  # a deferred plan: the kernel wrote partial states only; merged into the
+            if lse is None:               # state (out, lse) holds (the cascade's other levels), v_scale with them
+                raise ValueError("run() of a deferred-merge plan merges into out and lse: pass both")
+            scale = 1.0 if post is None else post
+            if self._hold_merge:
+                self._held_merge = (out, lse, plan, scale)
+            else:
+                merge_partials_in_place(out, lse, *plan.partials, plan.merge_table, scale)
+        elif post is not None:
             out.mul_(post)
         return (out, lse) if return_lse else out
+
+    def _run_partials(self, q, paged_kv_cache, out, lse, **kwargs):
+        """run() of a deferred plan that launches its kernel (it writes partial states only, not out or lse) and
+        returns the merge of those states into (out, lse), for the caller to call once (out, lse) holds the state
+        of the other keys (the cascade's last level, run beside this one)."""
+        self._hold_merge = True
+        try:
+            self.run(q, paged_kv_cache, out=out, lse=lse, **kwargs)
+        finally:
+            self._hold_merge = False
+        held, self._held_merge = self._held_merge, None
+        if held is None:
+            raise RuntimeError("_run_partials needs a deferred-merge plan")
+        o, s, plan, scale = held
+        return lambda: merge_partials_in_place(o, s, *plan.partials, plan.merge_table, scale)
 
     def _require_gpu(self, plan: Plan) -> None:
         """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""

@@ -6,9 +6,19 @@ level 0 typically holds one prefix shared by a group of requests, the last level
 is an ordinary batch whose "requests" are groups of query rows: ``qo_indptr_arr[l]`` groups the rows of q (all
 levels cover the same rows, ``qo_indptr_arr[l][-1]`` equal), ``paged_kv_*_arr[l]`` gives each group its pages. A
 level runs as one paged prefill launch, so a prefix's pages are read once per group (once per KV head), not once per
-request; the levels' states (o, lse) over disjoint key sets are then combined exactly by merge_state_in_place:
+request; the levels' states (o, lse) over disjoint key sets are then combined exactly:
 
     o = merge(state_last, state_0, ..., state_{L-2})     (the order of an exact merge does not matter)
+
+The last level writes (out, lse). A prefix level's plan is a deferred-merge one (scheduler.defer_merges): its KV
+chunks, cut without the in-kernel merge's limit on chunks, each write an fp32 partial state, and one merge_partials
+launch over every (row, head) merges them all into (out, lse); a prefix's few query rows over a long history
+otherwise leave that merge to one CTA per split group (run 62: 8 chunks the best trade there). Where the last level
+is unsplit (short suffixes: it touches no workspace), level 0's plan splits to fill half the GPU, and under CUDA
+graph capture level 0 runs beside the last level: level 0's kernel on the caller's stream, the last level's on a
+side stream that forks from and joins it, then level 0's merge (eagerly the levels run one after the other: the
+fork and join would cost the host more than they save). A level whose variant the partial merge cannot combine
+(no softmax, an output transform) runs as an ordinary plan into a scratch state, merged by merge_state_in_place.
 
 Causal masking applies to the last level only (the prefix levels lie wholly before every query, as in FlashInfer).
 Position-dependent options (a sliding window, ALiBi, RoPE) would be computed against each level's own key
@@ -71,8 +81,22 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
                 paged_kv_indices_buf=bufs["paged_kv_indices_buf_arr"][i],
                 paged_kv_last_page_len_buf=bufs["paged_kv_last_page_len_buf_arr"][i], backend=backend)
             for i in range(n)]
+        for w in self._batch_prefill_wrappers[:-1]:  # a prefix level's chunks merge straight into the last level's
+            w._defer_merge = True                     # (out, lse): one spread-out merge, no split-group merge
         self._scratch: list[tuple[torch.Tensor, torch.Tensor]] = []  # (o, lse) of levels 0..n-2, made by plan()
         self._plan = None  # the last level's plan once planned (what forward() checks)
+        self._side: dict = {}   # device -> the side stream run() runs the last level on, beside level 0
+        self._overlapped = False  # whether the last run() did (tests and benchmarks read it)
+
+    def _can_overlap(self, q: torch.Tensor) -> bool:
+        """Whether run() runs level 0 beside the last level: level 0's plan is deferred and the last level's unsplit
+        (so the two share no workspace), while a CUDA graph is being captured (not inside torch.compile). Eagerly
+        it does not: the fork and join cost the host more (run 85: 119 us a call against 61 on one stream) than the
+        GPU time they save, and a batch small enough for level 0 to leave half the GPU idle is host-bound then."""
+        w0 = self._batch_prefill_wrappers[0]
+        return (self._num_levels > 1 and w0._share_gpu and w0._plan is not None and w0._plan.merge_table is not None
+                and self._batch_prefill_wrappers[-1]._plan.work.chunk is None and q.device in self._side
+                and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing())
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -115,7 +139,10 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
                 raise NotImplementedError(f"{key} is not supported by the cascade wrapper")
         self._plan = None
         rows = None
-        for i, (w, qo, kvp, idx, last) in enumerate(zip(self._batch_prefill_wrappers, *arrays)):
+        levels = list(enumerate(zip(self._batch_prefill_wrappers, *arrays)))
+        for i, (w, qo, kvp, idx, last) in levels[-1:] + levels[:-1]:   # the last level first: whether it splits
+            if i == 0 and n > 1:  # decides whether level 0 runs beside it (then level 0 splits to half the GPU)
+                w._share_gpu = self._batch_prefill_wrappers[-1]._plan.work.chunk is None
             try:
                 w.plan(qo, kvp, idx, last, num_qo_heads, num_kv_heads, head_dim, page_size,
                        causal=causal if i == n - 1 else False, pos_encoding_mode=pos_encoding_mode,
@@ -131,8 +158,11 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
             if rows is None:
                 rows = w._plan.total_q
             elif w._plan.total_q != rows:
-                raise ValueError(f"qo_indptr_arr[{i}][-1]={w._plan.total_q} but qo_indptr_arr[0][-1]={rows}: every "
-                                 "level covers the same query rows")
+                raise ValueError(f"qo_indptr_arr[{i}][-1]={w._plan.total_q} but qo_indptr_arr[{n - 1}][-1]={rows}: "
+                                 "every level covers the same query rows")
+        dev = self._batch_prefill_wrappers[0]._device
+        if n > 1 and self._batch_prefill_wrappers[0]._share_gpu and dev.type == "cuda" and dev not in self._side:
+            self._side[dev] = torch.cuda.Stream(dev)   # made here: run() may be under graph capture
         last_plan = self._batch_prefill_wrappers[-1]._plan
         shape, dt = last_plan.q_shape, last_plan.o_dtype
         if len(self._scratch) != n - 1 or any(o.shape != shape or o.dtype != dt for o, _ in self._scratch):
@@ -153,9 +183,33 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan()")
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        last = self._batch_prefill_wrappers[-1]
-        out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, **kwargs)
-        for w, (o_i, lse_i) in zip(self._batch_prefill_wrappers[:-1], self._scratch):
+        last, prefix = self._batch_prefill_wrappers[-1], self._batch_prefill_wrappers[:-1]
+        rest = list(zip(prefix, self._scratch))
+        self._overlapped = self._can_overlap(q)
+        if self._overlapped:
+            # level 0 beside the last level: its kernel (partial states into the workspace, on half the GPU) on this
+            # stream, the last level's (out and lse; it is unsplit, so it uses no workspace) on a side stream, then
+            # level 0's merge into (out, lse) once both are done
+            plan = self._plan
+            if out is None:
+                out = torch.empty(plan.q_shape, dtype=plan.o_dtype, device=q.device)
+            if lse is None:
+                lse = torch.empty(plan.q_shape[:2], dtype=torch.float32, device=q.device)
+            cur = torch.cuda.current_stream(q.device)
+            side = self._side[q.device]
+            side.wait_stream(cur)
+            merge0 = prefix[0]._run_partials(q, paged_kv_cache, out, lse, **kwargs)
+            with torch.cuda.stream(side):
+                last.run(q, paged_kv_cache, out=out, lse=lse, **kwargs)
+            cur.wait_stream(side)
+            merge0()
+            rest = rest[1:]
+        else:
+            out, lse = last.run(q, paged_kv_cache, out=out, lse=lse, return_lse=True, **kwargs)
+        for w, (o_i, lse_i) in rest:
+            if w._plan.merge_table is not None:   # deferred (every plan on a GPU whose variant allows it): the
+                w.run(q, paged_kv_cache, out=out, lse=lse, **kwargs)   # level's partials merge into (out, lse)
+                continue
             w.run(q, paged_kv_cache, out=o_i, lse=lse_i, **kwargs)
             merge_state_in_place(out, lse, o_i, lse_i)
         return (out, lse) if return_lse else out

@@ -132,6 +132,28 @@ assert PARAMS["merge_many"].names == (
     "lse_out_stride_h")
 
 
+def merge_partials_in_place(v: torch.Tensor, s: torch.Tensor, tmp_o: int, tmp_lse: int, table: torch.Tensor,
+                            scale: float = 1.0) -> None:
+    """(v, s) <- merge((v, s), the fp32 partial states of a deferred-merge plan), per row (the wrappers' run() of
+    such a plan; scheduler.defer_merges). v: [rows, H, D] fp16/bf16 and s: [rows, H] float32 as run() checked them
+    (out, lse), tmp_o / tmp_lse the workspace's partial states, table the plan's int32 [rows, 3] on v's device;
+    each partial's o times ``scale`` (run()'s float v_scale of a 16-bit plan) first."""
+    rows, heads = v.shape[0], v.shape[1]
+    if rows * heads == 0:
+        return
+    if tuple(table.shape) != (rows, 3) or table.dtype is not torch.int32 or not table.is_contiguous():
+        raise ValueError(f"merge table must be int32 [{rows}, 3], contiguous; got {table.dtype} {list(table.shape)}")
+    vs, ss = v.stride(), s.stride()
+    values = [v.data_ptr(), s.data_ptr(), tmp_o, tmp_lse, table.data_ptr(), rows, heads, vs[0], vs[1], ss[0], ss[1],
+              float(scale)]  # PARAMS["merge_partials"]'s order (asserted below)
+    _launch(v, "attnjit_merge_partials", rows * heads, values)
+
+
+assert PARAMS["merge_partials"].names == (
+    "v", "lse", "tmp_o", "tmp_lse", "table", "num_rows", "num_heads", "v_stride_n", "v_stride_h", "lse_stride_n",
+    "lse_stride_h", "partial_scale")
+
+
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [seq, num_states, H, D], s: [seq, num_states, H] float32 -> (v [seq, H, D], s [seq, H])."""
     if torch.compiler.is_compiling():

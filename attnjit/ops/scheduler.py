@@ -60,15 +60,21 @@ class WorkPlan:
     num_slots: int = 0             # partial-state slots used
     split_requests: int = 0
     slots_target: int = 0          # SMs x CTAs per SM the plan aimed to fill
+    # a deferred-merge plan (defer_merges): [total_q, 3] int32, each query row's first partial slot, the slot stride
+    # between its chunks and its chunks; the kernels then merge nothing (merge_partials does, after them)
+    merge_table: np.ndarray | None = None
 
     @property
     def num_items(self) -> int:
         return len(self.records)
 
     def decision(self, num_kv_heads: int) -> dict:
-        return {"tile": self.tile.name, "work_items": self.num_items, "ctas": self.num_items * num_kv_heads,
-                "gpu_slots": self.slots_target, "split_kv": self.chunk is not None, "chunk_kv": self.chunk,
-                "split_requests": self.split_requests, "split_groups": self.num_groups}
+        out = {"tile": self.tile.name, "work_items": self.num_items, "ctas": self.num_items * num_kv_heads,
+               "gpu_slots": self.slots_target, "split_kv": self.chunk is not None, "chunk_kv": self.chunk,
+               "split_requests": self.split_requests, "split_groups": self.num_groups}
+        if self.merge_table is not None:
+            out["merge"] = "deferred"
+        return out
 
 
 def _ceil(a, b):
@@ -117,6 +123,40 @@ def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, 
     return chunk if chunk < max_kv else None
 
 
+def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan:
+    """The plan with every merge left to a second kernel (merge_partials, ops/merge.py): every item writes an fp32
+    partial state (unsplit requests get slots too, as one-chunk groups), no record asks its CTA to merge (chunks 1,
+    group -1; the kernels merge only when chunks > 1), and ``merge_table`` says where each query row's chunks lie.
+    For batches where a split group's merge by its last CTA would cost more than the second launch: a cascade's
+    shared prefix, many query rows over one long history (run 62: 16 chunks of 64 rows cost more than they fill)."""
+    recs = plan.records.copy()
+    next_slot = plan.num_slots
+    if len(recs):
+        unsplit = recs[:, 4] < 0
+        if unsplit.any():   # each unsplit request: qo_len slots of its own (its q tiles share them, by token)
+            reqs, first, inverse = np.unique(recs[unsplit, 0], return_index=True, return_inverse=True)
+            rows = recs[unsplit, 9][first].astype(np.int64)
+            bases = next_slot + np.cumsum(rows) - rows
+            recs[unsplit, 4] = bases[inverse]
+            recs[unsplit, 5] = 0
+            next_slot += int(rows.sum())
+    _check_slots(next_slot, max_slots)
+    table = np.zeros((total_q, 3), dtype=np.int32)
+    heads = recs[(recs[:, 1] == 0) & (recs[:, 5] == 0)] if len(recs) else recs   # one record per request
+    if len(heads):
+        q = heads[:, 9].astype(np.int64)
+        owner = np.repeat(np.arange(len(heads)), q)
+        tok = np.arange(int(q.sum())) - np.repeat(np.cumsum(q) - q, q)
+        rows = heads[owner, 8] + tok
+        table[rows, 0] = heads[owner, 4] + tok
+        table[rows, 1] = heads[owner, 9]
+        table[rows, 2] = heads[owner, 6]
+    recs[:, 6] = 1
+    recs[:, 7] = -1
+    return WorkPlan(tile=plan.tile, records=recs, num_groups=0, chunk=plan.chunk, num_slots=next_slot,
+                    split_requests=plan.split_requests, slots_target=plan.slots_target, merge_table=table)
+
+
 def item_costs(records: np.ndarray, *, cta_q: int, group: int, causal: bool) -> np.ndarray:
     """What the work order sorts by, per record: packed rows x KV tokens the item visits (at least 1)."""
     r = records.astype(np.int64, copy=False)
@@ -150,17 +190,21 @@ def _list(x) -> list[int]:
 
 def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Sequence[int],
               kv_bases: Sequence[int], group: int, tile: Any, causal: bool, num_kv_heads: int, slots: int,
-              max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None) -> WorkPlan:
+              max_slots: int, allow_split: bool = True, fixed_chunk: int | None = None,
+              merge_in_kernel: bool = True) -> WorkPlan:
     """Work list for one batch. ``qo_offsets[i]`` is request i's first query row (qo_indptr[i]); ``kv_bases[i]``
     its first page-table entry (paged) or first kv row (ragged). Sequences or numpy arrays.
 
     Small batches (at most SMALL_BATCH requests and SMALL_ITEMS items) are built by a loop, larger ones with array
     operations: a numpy call costs about a microsecond, more than a short loop (tests/test_scheduler.py holds both
-    to the same records)."""
+    to the same records).
+
+    merge_in_kernel=False: the chunks are chosen without MERGE_ROWS's limit (no CTA merges a group alone) and the
+    caller makes the list deferred (defer_merges)."""
     cta_q = tile.cta_q
     if fixed_chunk is not None and fixed_chunk < 1:
         raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
-    if knobs.NATIVE.get() and _cplan is not None:  # (the knob is read, and checked, either way)
+    if knobs.NATIVE.get() and _cplan is not None and merge_in_kernel:  # (the knob is read, and checked, either way)
         plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,
                             num_kv_heads=num_kv_heads, slots=slots, max_slots=max_slots, allow_split=allow_split,
                             fixed_chunk=fixed_chunk)
@@ -177,7 +221,7 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
         chunk = _ceil(fixed_chunk, tile.cta_kv) * tile.cta_kv
     elif allow_split:
         chunk = choose_chunk(tiles, k, cta_kv=tile.cta_kv, num_kv_heads=num_kv_heads, slots=slots, slot_rows=q,
-                             max_slots=max_slots, group=group, cta_q=cta_q)
+                             max_slots=max_slots, group=group, cta_q=cta_q if merge_in_kernel else 0)
     else:
         chunk = None
     plan = WorkPlan(tile=tile, slots_target=slots)

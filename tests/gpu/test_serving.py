@@ -205,18 +205,27 @@ CASCADES = {
 }
 
 
+@pytest.mark.parametrize("merge", ["deferred", "in-kernel"])
 @pytest.mark.parametrize("family", ["fa2", "sm90"])
 @pytest.mark.parametrize("name", list(CASCADES))
-def test_cascade_matches_the_flat_computation(workspace, name, family):
+def test_cascade_matches_the_flat_computation(workspace, name, family, merge):
+    """The prefix levels as deferred-merge plans (merge_partials into the last level's state: the default), and as
+    ordinary plans merged by merge_state_in_place (what a variant merge_partials cannot combine takes)."""
     qo_lens, levels, causal, kw = CASCADES[name]
     b = make_cascade(qo_lens, levels, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
                      dtype=torch.bfloat16, device=DEV, seed=zlib.crc32(name.encode()) % 1000)
     w = attnjit.MultiLevelCascadeAttentionWrapper(len(levels), workspace, "NHD", backend=BACKEND[family])
+    for lw in w._batch_prefill_wrappers[:-1]:
+        assert lw._defer_merge
+        lw._defer_merge = merge == "deferred"
     w.plan(*b.arrays(DEV), H_Q, H_KV, D, 16, causal=causal, q_data_type=torch.bfloat16, **kw)
     out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
     w.run(b.q, b.cache, out=out, lse=lse, return_lse=True)
     torch.cuda.synchronize()
     assert [p["family"] for p in w.last_plan] == [family] * len(levels)
+    assert [p.get("merge") for p in w.last_plan] == [merge if merge == "deferred" else None] * (len(levels) - 1) + \
+        [None]
+    assert not w._overlapped   # eagerly the levels run one after the other
     if kw.get("fixed_split_size"):
         assert w.last_plan[0]["split_kv"]
     ref_o, ref_lse = b.reference(causal=causal)
@@ -224,3 +233,47 @@ def test_cascade_matches_the_flat_computation(workspace, name, family):
     assert_lse_close(lse, ref_lse)
     plain = w.run(b.q, b.cache)  # FlashInfer's form: run(q, kv) -> out
     assert_close(plain, ref_o, torch.bfloat16)
+    # captured in a graph, level 0 runs beside the last level (a side stream) where that one is unsplit: both ways
+    # occur in CASCADES
+    out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(b.q, b.cache, out=out, lse=lse)
+    last_split = w._batch_prefill_wrappers[-1]._plan.work.chunk is not None
+    assert w._overlapped == (merge == "deferred" and not last_split)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse)
+
+
+def test_cascade_graph_replays_after_a_new_plan(workspace):
+    """use_cuda_graph=True: the deferred prefix level's merge table lives in a fixed buffer, so a graph captured once
+    replays a later plan (new suffix lengths, same query rows) right; the suffixes stay unsplit, so level 0 runs
+    beside the last level on a side stream inside the capture."""
+    qo_lens = (1,) * 8
+    wrapper = attnjit.MultiLevelCascadeAttentionWrapper(2, workspace, "NHD", use_cuda_graph=True)
+    q = out = lse = graph = None
+    for step, suffixes in enumerate(([5, 1, 90, 33, 2, 16, 250, 7], [64, 9, 1, 1, 250, 31, 2, 64])):
+        b = make_cascade(qo_lens, [[(8, 2500)], [(1, k) for k in suffixes]], page_size=16, num_qo_heads=H_Q,
+                         num_kv_heads=H_KV, head_dim=D, dtype=torch.bfloat16, device=DEV, seed=11)
+        wrapper.plan(*b.arrays(DEV), H_Q, H_KV, D, 16, q_data_type=torch.bfloat16, fixed_split_size=256)
+        assert wrapper.last_plan[0]["merge"] == "deferred" and wrapper.last_plan[0]["split_kv"]
+        assert not wrapper.last_plan[1]["split_kv"]
+        if graph is None:
+            q, cache = b.q.clone(), b.cache.clone()
+            out, lse = poisoned(q.shape, torch.bfloat16, DEV), poisoned(q.shape[:2], torch.float32, DEV)
+            wrapper.run(q, cache, out=out, lse=lse)   # warm-up (loads the kernels) outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(q, cache, out=out, lse=lse)
+        else:
+            q.copy_(b.q), cache.copy_(b.cache)
+        out.copy_(poisoned(q.shape, torch.bfloat16, DEV)), lse.copy_(poisoned(q.shape[:2], torch.float32, DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert wrapper._overlapped
+        ref_o, ref_lse = b.reference(causal=False)
+        assert_close(out, ref_o, torch.bfloat16)
+        assert_lse_close(lse, ref_lse)

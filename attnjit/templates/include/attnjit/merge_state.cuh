@@ -82,4 +82,43 @@ __device__ __forceinline__ void merge_many_body(const P& p) {
   if (vec == 0) reinterpret_cast<float*>(p.lse_out)[row * p.lse_out_stride_n + head * p.lse_out_stride_h] = lse_out;
 }
 
+// (v, lse) <- merge((v, lse), the fp32 partial states a deferred-merge plan wrote for each row), per (row, head):
+// row r's chunks lie at slots table[r][0] + c * table[r][1] for c < table[r][2] (a partial state's row is slot * H +
+// head, attnjit/work.cuh partial_row); each partial's o is multiplied by partial_scale first. One pass of the
+// attention kernel and this one replace the split group's in-kernel merge (attnjit/split.cuh) where that merge,
+// done by one CTA per group, would cost more than a second launch over every (row, head) of the batch.
+template <typename T, int HEAD_DIM, typename P>
+__device__ __forceinline__ void merge_partials_body(const P& p) {
+  int64_t row, head;
+  int vec;
+  if (!merge_thread_coords<HEAD_DIM>(p.num_rows, p.num_heads, row, head, vec)) return;
+  const int* t = reinterpret_cast<const int*>(p.table) + 3 * row;
+  const int64_t first = t[0], stride = t[1];
+  const int count = t[2];
+  T* v = reinterpret_cast<T*>(p.v) + row * p.v_stride_n + head * p.v_stride_h + vec * 8;
+  float* lse = reinterpret_cast<float*>(p.lse) + row * p.lse_stride_n + head * p.lse_stride_h;
+  const float* tmp_o = reinterpret_cast<const float*>(p.tmp_o);
+  const float* tmp_lse = reinterpret_cast<const float*>(p.tmp_lse);
+  const float l0 = *lse;
+  const float scale = static_cast<float>(p.partial_scale);
+  auto partial = [&](int64_t i) { return (first + (i - 1) * stride) * p.num_heads + head; };  // state i >= 1
+  float out[8];
+  const float lse_out = merge_n(
+      count + 1, [&](int64_t i) { return i == 0 ? l0 : __ldcg(tmp_lse + partial(i)); },
+      [&](int64_t i, float* x) {
+        if (i == 0) {
+          load8<T>(v, x);
+          return;
+        }
+        const float* src = tmp_o + partial(i) * HEAD_DIM + vec * 8;
+        const float4 lo = __ldcg(reinterpret_cast<const float4*>(src));
+        const float4 hi = __ldcg(reinterpret_cast<const float4*>(src + 4));
+        x[0] = lo.x * scale, x[1] = lo.y * scale, x[2] = lo.z * scale, x[3] = lo.w * scale;
+        x[4] = hi.x * scale, x[5] = hi.y * scale, x[6] = hi.z * scale, x[7] = hi.w * scale;
+      },
+      out);
+  store8<T>(v, out);
+  if (vec == 0) *lse = lse_out;
+}
+
 }  // namespace attnjit

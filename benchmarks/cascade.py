@@ -99,6 +99,13 @@ def bench_cascade(fi, results: list[dict], *, time_ms: Callable, ws: torch.Tenso
     seq._can_overlap = lambda q: False
     out_seq = torch.empty_like(q)
     both("attnjit_cascade_one_stream", lambda: seq.run(q, cache, out=out_seq))
+    old = attnjit.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")   # A/B: level 0 merged in its kernel (its split
+    old._batch_prefill_wrappers[0]._defer_merge = False           # groups' last CTAs), then merge_state_in_place
+    old.plan(*arrays, H_Q, H_KV, D, PS, q_data_type=DT)
+    out_old = torch.empty_like(q)
+    both("attnjit_cascade_in_kernel_merge", lambda: old.run(q, cache, out=out_old))
+    row["attnjit_cascade_in_kernel_merge_plan"] = old.last_plan
+    row["attnjit_cascade_in_kernel_merge_host_us"] = _host_us(lambda: old.run(q, cache, out=out_old))
     # by part, in graphs: level 1 (the suffixes), level 0 (the prefix, one group: a deferred plan, so its run()
     # includes merge_partials into level 1's state), and merge_state_in_place (what a non-deferred level 0 adds)
     (w0, w1), (o0, l0) = casc._batch_prefill_wrappers, casc._scratch[0]
@@ -186,8 +193,13 @@ def table(rows: list[dict]) -> str:
             lines.append(f"attnjit cascade level 0 beside the last level: {r.get('attnjit_cascade_overlapped')}; "
                          f"the same plans on one stream: {ms(r, 'attnjit_cascade_one_stream_ms')} eager, "
                          f"{ms(r, 'attnjit_cascade_one_stream_graph_ms')} graph")
+        if "attnjit_cascade_in_kernel_merge_graph_ms" in r:
+            lines.append(f"attnjit cascade with level 0 merged in its kernel, then merge_state_in_place (before "
+                         f"deferred merges): {ms(r, 'attnjit_cascade_in_kernel_merge_ms')} eager, "
+                         f"{ms(r, 'attnjit_cascade_in_kernel_merge_graph_ms')} graph")
         if "attnjit_cascade_host_us" in r:
-            lines.append(f"attnjit cascade host time per call: {r['attnjit_cascade_host_us']:.1f} us")
+            lines.append(f"attnjit cascade host time per call: {r['attnjit_cascade_host_us']:.1f} us (level 0 merged "
+                         f"in its kernel: {r.get('attnjit_cascade_in_kernel_merge_host_us', float('nan')):.1f} us)")
         for v in r.get("level0_sweep", []):
             p = v["plan"]
             lines.append(f"level 0 alone, backend {v['backend']}{', deferred merge' if v.get('deferred') else ''}, "

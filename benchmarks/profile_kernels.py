@@ -2,6 +2,7 @@
 
     python3 benchmarks/profile_kernels.py prefill 32x512     # paged causal prefill, batch x length
     python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
+    python3 benchmarks/profile_kernels.py prefix 16x8192     # a cascade's level 0: 16 query rows over 8192 keys
     PROFILE_TILE=q192kv64 python3 benchmarks/profile_kernels.py prefill 8x2048   # an sm90 tile configuration
     ncu --clock-control none -k regex:"attnjit_(attention|sm90)" --launch-skip 2 --launch-count 1 --set full \\
         python3 benchmarks/profile_kernels.py prefill 32x512
@@ -21,13 +22,21 @@ import attnjit  # noqa: E402
 from benchmarks.bench import DT, D, H_KV, H_Q, PS, load_flashinfer, paged_tables  # noqa: E402
 
 
+def _deferred_prefill(ws):
+    """The cascade's level 0 as plan() makes it there: a deferred-merge plan (scheduler.defer_merges)."""
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+    w._defer_merge = True
+    return w
+
+
 def main() -> None:
     op = sys.argv[1] if len(sys.argv) > 1 else "prefill"
-    if op not in ("prefill", "decode"):
-        raise SystemExit(f"profile_kernels.py: op must be 'prefill' or 'decode', got {op!r}")
+    if op not in ("prefill", "decode", "prefix"):
+        raise SystemExit(f"profile_kernels.py: op must be 'prefill', 'decode' or 'prefix', got {op!r}")
     batch, length = (int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "32x512").split("x"))
-    indptr, indices, last, cache = paged_tables(batch, length, seed=1)
+    indptr, indices, last, cache = paged_tables(1 if op == "prefix" else batch, length, seed=1)
     plan_args = (indptr, indices, last, H_Q, H_KV, D, PS)
+    run_kw: dict = {}
     if op == "prefill":
         qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
         q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
@@ -35,6 +44,12 @@ def main() -> None:
         tile = os.environ.get("PROFILE_TILE") or None
         make = {"attnjit": lambda ws: attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, tile=tile)}
         kw = {"causal": True}
+    elif op == "prefix":   # `batch` query rows over one group of `length` keys, non-causal (benchmarks/cascade.py)
+        q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
+        plan_args = (torch.tensor([0, batch], dtype=torch.int32, device="cuda"), *plan_args)
+        make = {"attnjit": _deferred_prefill}
+        kw = {}
+        run_kw = {"out": torch.zeros_like(q), "lse": torch.full(q.shape[:2], float("-inf"), device="cuda")}
     else:
         q = torch.randn(batch, H_Q, D, dtype=DT, device="cuda")
         make = {"attnjit": lambda ws: attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)}
@@ -43,12 +58,12 @@ def main() -> None:
     if fi is not None:
         backend = os.environ.get("PROFILE_FI_BACKEND", "fa3")  # the competitor of attnjit's default family
         make["flashinfer"] = (lambda ws: fi.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)) \
-            if op == "prefill" else (lambda ws: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True))
+            if op != "decode" else (lambda ws: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True))
     for name, new in make.items():
         w = new(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
         w.plan(*plan_args, q_data_type=DT, kv_data_type=DT, **kw)
         for _ in range(4):
-            w.run(q, cache)
+            w.run(q, cache, **(run_kw if name == "attnjit" else {}))
         torch.cuda.synchronize()
         print(name, op, f"{batch}x{length}", getattr(w, "last_plan", ""))
 

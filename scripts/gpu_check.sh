@@ -176,8 +176,8 @@ fi
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side
   setup_flashinfer
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do   # BxL (prefill) or decode:BxL
-    op=prefill; case $shape in decode:*) op=decode; shape=${shape#decode:};; esac
+  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do   # BxL (prefill), decode:BxL or prefix:BxL (cascade level 0)
+    op=prefill; case $shape in decode:*) op=decode; shape=${shape#decode:};; prefix:*) op=prefix; shape=${shape#prefix:};; esac
     for who in attnjit flashinfer; do
       k="attnjit_(attention|sm90)"; [ $who = flashinfer ] && k="Prefill|Decode"
       "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \

@@ -233,7 +233,8 @@ class _AttentionWrapper(FlashInferAliases):
             prep = self._prepared[key] = self._prepare(key, binding)
         defer = self._defer_merge and _mergeable(spec.variant)
         work = _schedule(batch, prep.sched, defer)
-        if defer and self._share_gpu and work.chunk is not None:   # split to fill the GPU: fill half of it
+        if defer and self._share_gpu and work.chunk is not None and prep.sched["fixed_chunk"] is None:
+            # split to fill the GPU: fill half of it (the other half runs the cascade's last level)
             work = _schedule(batch, {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)}, defer)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size

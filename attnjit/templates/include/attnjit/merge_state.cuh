@@ -86,7 +86,9 @@ __device__ __forceinline__ void merge_many_body(const P& p) {
 // row r's chunks lie at slots table[r][0] + c * table[r][1] for c < table[r][2] (a partial state's row is slot * H +
 // head, attnjit/work.cuh partial_row); each partial's o is multiplied by partial_scale first. One pass of the
 // attention kernel and this one replace the split group's in-kernel merge (attnjit/split.cuh) where that merge,
-// done by one CTA per group, would cost more than a second launch over every (row, head) of the batch.
+// done by one CTA per group, would cost more than a second launch over every (row, head) of the batch. One online
+// pass over the chunks (split.cuh's merge_group rule), unrolled so that the loads of 8 chunks are in flight at once:
+// a pass per statistic (merge_n) would wait out an L2 round trip per chunk, three times.
 template <typename T, int HEAD_DIM, typename P>
 __device__ __forceinline__ void merge_partials_body(const P& p) {
   int64_t row, head;
@@ -99,26 +101,36 @@ __device__ __forceinline__ void merge_partials_body(const P& p) {
   float* lse = reinterpret_cast<float*>(p.lse) + row * p.lse_stride_n + head * p.lse_stride_h;
   const float* tmp_o = reinterpret_cast<const float*>(p.tmp_o);
   const float* tmp_lse = reinterpret_cast<const float*>(p.tmp_lse);
-  const float l0 = *lse;
   const float scale = static_cast<float>(p.partial_scale);
-  auto partial = [&](int64_t i) { return (first + (i - 1) * stride) * p.num_heads + head; };  // state i >= 1
-  float out[8];
-  const float lse_out = merge_n(
-      count + 1, [&](int64_t i) { return i == 0 ? l0 : __ldcg(tmp_lse + partial(i)); },
-      [&](int64_t i, float* x) {
-        if (i == 0) {
-          load8<T>(v, x);
-          return;
-        }
-        const float* src = tmp_o + partial(i) * HEAD_DIM + vec * 8;
-        const float4 lo = __ldcg(reinterpret_cast<const float4*>(src));
-        const float4 hi = __ldcg(reinterpret_cast<const float4*>(src + 4));
-        x[0] = lo.x * scale, x[1] = lo.y * scale, x[2] = lo.z * scale, x[3] = lo.w * scale;
-        x[4] = hi.x * scale, x[5] = hi.y * scale, x[6] = hi.z * scale, x[7] = hi.w * scale;
-      },
-      out);
-  store8<T>(v, out);
-  if (vec == 0) *lse = lse_out;
+  float m = *lse, z = 0.f, acc[8];
+  if (m == neg_inf()) {  // an empty state: its o is never read
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  } else {
+    load8<T>(v, acc);
+    z = 1.f;
+  }
+#pragma unroll 8
+  for (int c = 0; c < count; ++c) {
+    const int64_t prow = (first + c * stride) * p.num_heads + head;
+    const float l = __ldcg(tmp_lse + prow);
+    const float4 lo = __ldcg(reinterpret_cast<const float4*>(tmp_o + prow * HEAD_DIM + vec * 8));
+    const float4 hi = __ldcg(reinterpret_cast<const float4*>(tmp_o + prow * HEAD_DIM + vec * 8 + 4));
+    if (l == neg_inf()) continue;  // an empty chunk (no visible key): the identity
+    const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const float m_new = fmaxf(m, l);
+    const float a = fast_exp2(m - m_new), w = fast_exp2(l - m_new);  // a = 0 while m is -inf
+    const float ws = w * scale;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + ws * x[e];
+    z = z * a + w;
+    m = m_new;
+  }
+  const float inv = z > 0.f ? 1.f / z : 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] *= inv;
+  store8<T>(v, acc);
+  if (vec == 0) *lse = z > 0.f ? m + fast_log2(z) : neg_inf();
 }
 
 }  // namespace attnjit

@@ -117,9 +117,27 @@ def test_deferred_chunks_are_not_limited_by_the_in_kernel_merge():
     assert deferred.chunk == 512 and deferred.num_items * 8 == 128
 
 
-def test_deferred_plan_refuses_a_workspace_too_small():
-    with pytest.raises(ValueError, match="partial-state slots"):
-        _plan([40, 3], [100, 900], group=4, causal=False, chunk=256, max_slots=12)
+def test_deferred_plan_that_does_not_fit_the_workspace_is_none():
+    offsets = [0, 40]
+    work = scheduler.plan_work(qo_lens=[40, 3], kv_lens=[100, 900], qo_offsets=offsets, kv_bases=[0, 0], group=4,
+                               tile=TILE, causal=False, num_kv_heads=H_KV, slots=64, max_slots=12, fixed_chunk=256,
+                               merge_in_kernel=False)
+    assert work.num_slots == 12   # the split request's 4 chunks x 3 rows fit; the unsplit one's 40 rows do not
+    assert scheduler.defer_merges(work, 43, max_slots=12) is None
+    assert scheduler.defer_merges(work, 43, max_slots=52) is not None
+
+
+def test_cascade_prefix_falls_back_to_in_kernel_merges_in_a_small_workspace():
+    """A prefix level whose deferred partial states (one slot per query row, split or not) do not fit the workspace
+    plans in-kernel merges (slots for split requests only), as before deferred merges: plan() does not fail."""
+    b = make_cascade([1, 2, 1], [[(3, 40)], [(1, 5), (2, 9)]], page_size=4, num_qo_heads=8, num_kv_heads=2,
+                     head_dim=128, dtype=torch.float16)
+    slot = 8 * (128 + 1) * 4    # one partial state's bytes (H_q x (D + 1) floats)
+    for slots, deferred in ((1, False), (4, True)):
+        w = MultiLevelCascadeAttentionWrapper(2, torch.empty(slots * slot, dtype=torch.uint8))
+        w.plan(*b.arrays("cpu"), 8, 2, 128, 4, q_data_type=torch.float16)
+        assert (w.last_plan[0].get("merge") == "deferred") == deferred, slots
+        assert (w._batch_prefill_wrappers[0]._plan.work.merge_table is not None) == deferred
 
 
 def test_cascade_prefix_levels_plan_deferred_and_the_last_level_does_not():

@@ -64,9 +64,15 @@ def args_key(values: tuple) -> tuple | None:
 
 
 def _schedule(batch: P.Batch, sched: dict, defer: bool = False) -> WorkPlan:
-    work = plan_work(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
-                     kv_bases=batch.kv_bases, merge_in_kernel=not defer, **sched)
-    return defer_merges(work, batch.total_q, sched["max_slots"]) if defer else work
+    """The batch's work list; ``defer``: a deferred-merge one (scheduler.defer_merges) where its partial states fit
+    in the workspace, else the in-kernel-merge list (``merge_table`` None says which)."""
+    args = dict(qo_lens=batch.qo_lens, kv_lens=batch.kv_lens, qo_offsets=batch.qo_indptr[:-1],
+                kv_bases=batch.kv_bases, **sched)
+    if defer:
+        work = defer_merges(plan_work(**args, merge_in_kernel=False), batch.total_q, sched["max_slots"])
+        if work is not None:
+            return work
+    return plan_work(**args)
 
 
 def _mergeable(variant) -> bool:
@@ -231,11 +237,11 @@ class _AttentionWrapper(FlashInferAliases):
         prep = self._prepared.get(key)
         if prep is None:
             prep = self._prepared[key] = self._prepare(key, binding)
-        defer = self._defer_merge and _mergeable(spec.variant)
-        work = _schedule(batch, prep.sched, defer)
-        if defer and self._share_gpu and work.chunk is not None and prep.sched["fixed_chunk"] is None:
+        work = _schedule(batch, prep.sched, self._defer_merge and _mergeable(spec.variant))
+        if work.merge_table is not None and self._share_gpu and work.chunk is not None \
+                and prep.sched["fixed_chunk"] is None:
             # split to fill the GPU: fill half of it (the other half runs the cascade's last level)
-            work = _schedule(batch, {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)}, defer)
+            work = _schedule(batch, {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)}, True)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
         plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
@@ -254,7 +260,7 @@ class _AttentionWrapper(FlashInferAliases):
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = _NO_POINTERS
         self._fill_launch(plan, prep, ptr)
-        if defer and on_gpu:
+        if work.merge_table is not None and on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
             plan.partials = (prep.values[_TMP_O], prep.values[_TMP_LSE])
         if self._use_cuda_graph and self._meta.batch is None:

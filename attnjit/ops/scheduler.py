@@ -123,12 +123,14 @@ def choose_chunk(tiles, kv_lens, *, cta_kv: int, num_kv_heads: int, slots: int, 
     return chunk if chunk < max_kv else None
 
 
-def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan:
+def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan | None:
     """The plan with every merge left to a second kernel (merge_partials, ops/merge.py): every item writes an fp32
     partial state (unsplit requests get slots too, as one-chunk groups), no record asks its CTA to merge (chunks 1,
     group -1; the kernels merge only when chunks > 1), and ``merge_table`` says where each query row's chunks lie.
     For batches where a split group's merge by its last CTA would cost more than the second launch: a cascade's
-    shared prefix, many query rows over one long history (run 62: 16 chunks of 64 rows cost more than they fill)."""
+    shared prefix, many query rows over one long history (run 62: 16 chunks of 64 rows cost more than they fill).
+    None when those partial states do not fit in the workspace's ``max_slots`` (the caller plans in-kernel merges,
+    which need slots for split requests only)."""
     recs = plan.records.copy()
     next_slot = plan.num_slots
     if len(recs):
@@ -140,7 +142,8 @@ def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan:
             recs[unsplit, 4] = bases[inverse]
             recs[unsplit, 5] = 0
             next_slot += int(rows.sum())
-    _check_slots(next_slot, max_slots)
+    if next_slot > max_slots:
+        return None
     table = np.zeros((total_q, 3), dtype=np.int32)
     heads = recs[(recs[:, 1] == 0) & (recs[:, 5] == 0)] if len(recs) else recs   # one record per request
     if len(heads):

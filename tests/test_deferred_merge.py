@@ -167,3 +167,33 @@ def test_level_0_fills_half_the_gpu_only_beside_an_unsplit_last_level(monkeypatc
         assert w.last_plan[0]["merge"] == "deferred" and w.last_plan[0]["split_kv"]
         ctas[suffix] = w.last_plan[0]["ctas"]
     assert ctas[40] <= 66 < ctas[3000] <= 132
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_deferred_lists_agree_across_the_compiled_and_python_schedulers_and_both_defer_paths(seed, monkeypatch):
+    """A deferred plan's records: the compiled scheduler (given the chunk plan_work chose without MERGE_ROWS) equals
+    the Python one, and defer_merges' loop (short lists) equals its array form, record for record and slot for slot."""
+    if scheduler._cplan is None:
+        pytest.skip("attnjit._cplan is not built here (no C compiler when attnjit was installed)")
+    rng = random.Random(1000 + seed)
+    causal, group = rng.random() < 0.5, rng.choice([1, 4, 7])
+    qo, kv = _batch(rng, causal)
+    if rng.random() < 0.3:   # longer batches: the array paths
+        qo, kv = qo * 6, kv * 6
+    offsets = np.concatenate([[0], np.cumsum(qo)[:-1]]).astype(np.int64)
+    args = dict(qo_lens=qo, kv_lens=kv, qo_offsets=offsets, kv_bases=[0] * len(qo), group=group, tile=TILE,
+                causal=causal, num_kv_heads=H_KV, slots=rng.choice([16, 64, 132]), max_slots=1 << 20,
+                merge_in_kernel=False)
+    plans = {}
+    for native in ("1", "0"):
+        monkeypatch.setenv("ATTNJIT_NATIVE", native)
+        plans[native] = scheduler.plan_work(**args)
+    a, b = plans["1"], plans["0"]
+    assert a.records.tolist() == b.records.tolist()
+    assert (a.chunk, a.num_slots, a.num_groups, a.split_requests) == (b.chunk, b.num_slots, b.num_groups,
+                                                                      b.split_requests)
+    loop = scheduler._defer_loop(a, int(sum(qo)), 1 << 20)
+    monkeypatch.setattr(scheduler, "SMALL_ITEMS", -1)   # the array form, whatever the length
+    arrays = scheduler.defer_merges(a, int(sum(qo)), 1 << 20)
+    assert loop.records.tolist() == arrays.records.tolist() and loop.num_slots == arrays.num_slots
+    assert loop.merge_table.tolist() == arrays.merge_table.tolist()

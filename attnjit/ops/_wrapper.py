@@ -237,11 +237,13 @@ class _AttentionWrapper(FlashInferAliases):
         prep = self._prepared.get(key)
         if prep is None:
             prep = self._prepared[key] = self._prepare(key, binding)
-        work = _schedule(batch, prep.sched, self._defer_merge and _mergeable(spec.variant))
-        if work.merge_table is not None and self._share_gpu and work.chunk is not None \
-                and prep.sched["fixed_chunk"] is None:
-            # split to fill the GPU: fill half of it (the other half runs the cascade's last level)
-            work = _schedule(batch, {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)}, True)
+        defer = self._defer_merge and _mergeable(spec.variant)
+        # a deferred plan beside the cascade's last level: a split fills half of the GPU, which the list then walks
+        # (the grid stays the key's, so an unsplit list still runs on all of it)
+        sched = {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)} if defer and self._share_gpu else prep.sched
+        work = _schedule(batch, sched, defer)
+        if work.merge_table is None and sched is not prep.sched:   # it fell back to in-kernel merges: all the GPU
+            work = _schedule(batch, prep.sched)
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
         plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,

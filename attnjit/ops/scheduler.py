@@ -131,6 +131,8 @@ def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan | Non
     shared prefix, many query rows over one long history (run 62: 16 chunks of 64 rows cost more than they fill).
     None when those partial states do not fit in the workspace's ``max_slots`` (the caller plans in-kernel merges,
     which need slots for split requests only)."""
+    if len(plan.records) <= SMALL_ITEMS:
+        return _defer_loop(plan, total_q, max_slots)
     recs = plan.records.copy()
     next_slot = plan.num_slots
     if len(recs):
@@ -157,6 +159,31 @@ def defer_merges(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan | Non
     recs[:, 6] = 1
     recs[:, 7] = -1
     return WorkPlan(tile=plan.tile, records=recs, num_groups=0, chunk=plan.chunk, num_slots=next_slot,
+                    split_requests=plan.split_requests, slots_target=plan.slots_target, merge_table=table)
+
+
+def _defer_loop(plan: WorkPlan, total_q: int, max_slots: int) -> WorkPlan | None:
+    """defer_merges for a short work list, record by record (a numpy call costs more than a short loop); the same
+    slots (unsplit requests in request order after the split ones) and table."""
+    recs = plan.records.tolist()
+    next_slot, bases = plan.num_slots, {}
+    for req, rows in sorted({r[0]: r[9] for r in recs if r[4] < 0}.items()):
+        bases[req] = next_slot
+        next_slot += rows
+    if next_slot > max_slots:
+        return None
+    table = np.zeros((total_q, 3), dtype=np.int32)
+    for r in recs:
+        if r[4] < 0:
+            r[4], r[5] = bases[r[0]], 0
+        if r[1] == 0 and r[5] == 0:   # one record per request: its rows' slots, stride and chunks
+            row0, rows = r[8], r[9]
+            table[row0:row0 + rows, 0] = np.arange(r[4], r[4] + rows)
+            table[row0:row0 + rows, 1] = rows
+            table[row0:row0 + rows, 2] = r[6]
+        r[6], r[7] = 1, -1
+    records = np.array(recs, dtype=np.int32).reshape(-1, len(RECORD_FIELDS)) if recs else _EMPTY
+    return WorkPlan(tile=plan.tile, records=records, num_groups=0, chunk=plan.chunk, num_slots=next_slot,
                     split_requests=plan.split_requests, slots_target=plan.slots_target, merge_table=table)
 
 
@@ -207,10 +234,11 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     cta_q = tile.cta_q
     if fixed_chunk is not None and fixed_chunk < 1:
         raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
-    if knobs.NATIVE.get() and _cplan is not None and merge_in_kernel:  # (the knob is read, and checked, either way)
-        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,
+    native = knobs.NATIVE.get() and _cplan is not None  # (the knob is read, and checked, either way)
+    if native and (merge_in_kernel or fixed_chunk is not None or not allow_split):  # (no automatic chunk: MERGE_ROWS
+        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,  # has
                             num_kv_heads=num_kv_heads, slots=slots, max_slots=max_slots, allow_split=allow_split,
-                            fixed_chunk=fixed_chunk)
+                            fixed_chunk=fixed_chunk)                   # no part in a deferred plan's list either)
         if plan is not None:
             return plan
     small = len(qo_lens) <= SMALL_BATCH
@@ -227,6 +255,13 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
                              max_slots=max_slots, group=group, cta_q=cta_q if merge_in_kernel else 0)
     else:
         chunk = None
+    if native and not merge_in_kernel and fixed_chunk is None and allow_split:
+        # a deferred plan: its chunk chosen here (without MERGE_ROWS), its list built by the compiled scheduler
+        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,
+                            num_kv_heads=num_kv_heads, slots=slots, max_slots=max_slots,
+                            allow_split=chunk is not None, fixed_chunk=chunk)
+        if plan is not None:
+            return plan
     plan = WorkPlan(tile=tile, slots_target=slots)
     if small:
         n = [_ceil(kk, chunk) if chunk is not None and kk > chunk else 1 for kk in k]

@@ -235,10 +235,12 @@ def plan_work(*, qo_lens: Sequence[int], kv_lens: Sequence[int], qo_offsets: Seq
     if fixed_chunk is not None and fixed_chunk < 1:
         raise ValueError(f"fixed_split_size must be positive, got {fixed_chunk}")
     native = knobs.NATIVE.get() and _cplan is not None  # (the knob is read, and checked, either way)
-    if native and (merge_in_kernel or fixed_chunk is not None or not allow_split):  # (no automatic chunk: MERGE_ROWS
-        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,  # has
+    # the compiled scheduler caps an automatic chunk by MERGE_ROWS: without one (a fixed chunk, or no split) it
+    # serves deferred plans too; with one, a deferred plan's chunk is chosen below and the list built by it
+    if native and (merge_in_kernel or fixed_chunk is not None or not allow_split):
+        plan = _native_plan(qo_lens, kv_lens, qo_offsets, kv_bases, group=group, tile=tile, causal=causal,
                             num_kv_heads=num_kv_heads, slots=slots, max_slots=max_slots, allow_split=allow_split,
-                            fixed_chunk=fixed_chunk)                   # no part in a deferred plan's list either)
+                            fixed_chunk=fixed_chunk)
         if plan is not None:
             return plan
     small = len(qo_lens) <= SMALL_BATCH

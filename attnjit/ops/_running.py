@@ -49,7 +49,6 @@ class Plan:
     extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
     sm_scale_log2: float = 0.0      # sm_scale * log2(e): the parameter struct's, before a run()'s scalar k_scale
     merge_table: Any = None         # a deferred-merge plan: its work.merge_table on the device (merge_partials)
-    partials: tuple = (0, 0)        # ... and the workspace's partial states (tmp_o, tmp_lse pointers)
 
     def decision(self) -> dict:
         return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}

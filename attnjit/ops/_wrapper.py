@@ -75,6 +75,12 @@ def _schedule(batch: P.Batch, sched: dict, defer: bool = False) -> WorkPlan:
     return plan_work(**args)
 
 
+def _merge_partials(plan: Plan, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """A deferred plan's partial states (in the workspace its parameter struct points at) merged into (out, lse)."""
+    vals = plan.attn_values
+    merge_partials_in_place(out, lse, vals[_TMP_O], vals[_TMP_LSE], plan.merge_table, scale)
+
+
 def _mergeable(variant) -> bool:
     """Whether merge_partials may combine this variant's partial states: softmax ones with no output transform
     (which the kernels apply to a finished row only)."""
@@ -142,8 +148,9 @@ class _AttentionWrapper(FlashInferAliases):
         # ... and such a plan that splits its KV to fill the GPU fills half of it (the cascade runs its last level on
         # the other half, beside it: MultiLevelCascadeAttentionWrapper.run)
         self._share_gpu = False
-        self._hold_merge = False   # _run_partials: run() leaves a deferred plan's merge to the caller
-        self._held_merge: tuple | None = None
+        # _run_partials: run() leaves a deferred plan's merge to the caller, keeping here its scale for the partials
+        self._hold_merge = False
+        self._held_scale: float | None = None
         self._table_buf: torch.Tensor | None = None       # graph mode: a deferred plan's merge table (_merge_table)
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
@@ -264,7 +271,6 @@ class _AttentionWrapper(FlashInferAliases):
         self._fill_launch(plan, prep, ptr)
         if work.merge_table is not None and on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
-            plan.partials = (prep.values[_TMP_O], prep.values[_TMP_LSE])
         if self._use_cuda_graph and self._meta.batch is None:
             self._meta.batch = size
         self._plan = plan
@@ -450,9 +456,9 @@ class _AttentionWrapper(FlashInferAliases):
                 raise ValueError("run() of a deferred-merge plan merges into out and lse: pass both")
             scale = 1.0 if post is None else post
             if self._hold_merge:
-                self._held_merge = (out, lse, plan, scale)
+                self._held_scale = scale
             else:
-                merge_partials_in_place(out, lse, *plan.partials, plan.merge_table, scale)
+                _merge_partials(plan, out, lse, scale)
         elif post is not None:
             out.mul_(post)
         return (out, lse) if return_lse else out
@@ -466,11 +472,11 @@ class _AttentionWrapper(FlashInferAliases):
             self.run(q, paged_kv_cache, out=out, lse=lse, **kwargs)
         finally:
             self._hold_merge = False
-        held, self._held_merge = self._held_merge, None
-        if held is None:
+        scale, self._held_scale = self._held_scale, None
+        if scale is None:
             raise RuntimeError("_run_partials needs a deferred-merge plan")
-        o, s, plan, scale = held
-        return lambda: merge_partials_in_place(o, s, *plan.partials, plan.merge_table, scale)
+        plan = self._plan
+        return lambda: _merge_partials(plan, out, lse, scale)
 
     def _require_gpu(self, plan: Plan) -> None:
         """After every argument check (so they show on a CPU-planned wrapper too): kernels need a GPU."""

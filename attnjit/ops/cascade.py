@@ -89,13 +89,13 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         self._overlapped = False  # whether the last run() did (tests and benchmarks read it)
 
     def _can_overlap(self, q: torch.Tensor) -> bool:
-        """Whether run() runs level 0 beside the last level: level 0's plan is deferred and the last level's unsplit
-        (so the two share no workspace), while a CUDA graph is being captured (not inside torch.compile). Eagerly
-        it does not: the fork and join cost the host more (run 85: 119 us a call against 61 on one stream) than the
-        GPU time they save, and a batch small enough for level 0 to leave half the GPU idle is host-bound then."""
+        """Whether run() runs level 0 beside the last level: level 0's plan is deferred and planned to share the GPU
+        (plan() sets that only where the last level is unsplit, so the two share no workspace), while a CUDA graph is
+        being captured (not inside torch.compile). Eagerly it does not: the fork and join cost the host more (run 85:
+        119 us a call against 61 on one stream) than the GPU time they save, and a batch small enough for level 0 to
+        leave half the GPU idle is host-bound then."""
         w0 = self._batch_prefill_wrappers[0]
-        return (self._num_levels > 1 and w0._share_gpu and w0._plan is not None and w0._plan.merge_table is not None
-                and self._batch_prefill_wrappers[-1]._plan.work.chunk is None and q.device in self._side
+        return (self._num_levels > 1 and w0._share_gpu and w0._plan.merge_table is not None and q.device in self._side
                 and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing())
 
     @property

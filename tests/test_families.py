@@ -185,7 +185,7 @@ def test_sm90_default_module_takes_its_long_tile_for_long_batches():
     """The default sm90 module holds kv128 and sm90.LONG_TILE (kv176q1); plan() takes the long one when the batch's
     query rows see >= LONG_KEYS keys on average (causal: a request's rows see kv - qo + 1 .. kv). A named tile, a
     variant, fp8, head_dim 256 and page sizes other than 16 keep one kernel."""
-    from tests.gpu.cases import HISTORY_KV, HISTORY_QO, LONG_KV, LONG_QO, MIXED_KV, MIXED_QO
+    from tests.gpu.cases import HISTORY_KV, HISTORY_QO, LONG_KV, LONG_QO, MIXED_KV, MIXED_QO, PAGED
 
     base = dict(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4, family="sm90",
                 arch="sm_90a")
@@ -207,6 +207,8 @@ def test_sm90_default_module_takes_its_long_tile_for_long_batches():
     d64 = AttentionSpec(**{**base, "head_dim": 64})   # from 1024 keys a row at head_dim 64 (sm90.long_keys)
     assert pick(d64, [2048] * 8, [2048] * 8) is sm90.tiles(d64)[1] and pick(d64, [2000] * 8, [2000] * 8) is \
         sm90.tiles(d64)[0]
+    d64_case = next(c for c in PAGED if c.name == "paged-d64-long-history")   # the GPU matrix's d64 long-tile case
+    assert pick(d64, d64_case.qo_lens, d64_case.kv_lens) is sm90.tiles(d64)[1]
     ragged = AttentionSpec(**{k: v for k, v in base.items() if k != "page_size"}, kv="ragged")
     assert len(sm90.tiles(ragged)) == 2
     for other in (dict(tile="kv128q1"), dict(page_size=1), dict(page_size=48), dict(head_dim=256),

@@ -85,6 +85,8 @@ HISTORY_QO, HISTORY_KV = (300, 64), (4096, 2500)
 PAGED = [
     replace(_P, name="paged-seed-fp16-p4", qo_lens=SEED_QO, kv_lens=SEED_KV, dtype=F16, page_size=4),
     replace(_P, name="paged-long-history", qo_lens=HISTORY_QO, kv_lens=HISTORY_KV, heads=(8, 2)),
+    # head_dim 64 takes the long tile from 1024 keys a row (sm90.long_keys); rows here see ~1800 on average
+    replace(_P, name="paged-d64-long-history", head_dim=64, qo_lens=(300, 64), kv_lens=(2048, 1500), heads=(8, 2)),
     _P,
     replace(_P, name="paged-noncausal", causal=False),
     replace(_P, name="paged-fp16", dtype=F16),

@@ -32,25 +32,46 @@ _TEMPLATE = {"merge_state": "merge_state.cu.jinja", "append_kv": "append_kv.cu.j
 @dataclass(frozen=True)
 class Param:
     name: str
-    kind: str  # ptr | i64 | f64: every field is 8 bytes, so the struct has no padding
+    kind: str  # ptr | i64 | f64: 8 bytes; tmap: a CUtensorMap (128 bytes, 64-byte aligned), passed as bytes
     doc: str
 
     @property
     def ctype(self) -> str:
-        return {"ptr": "uint64_t", "i64": "int64_t", "f64": "double"}[self.kind]
+        return {"ptr": "uint64_t", "i64": "int64_t", "f64": "double", "tmap": "attnjit::TensorMap"}[self.kind]
+
+    @property
+    def size(self) -> int:
+        return 128 if self.kind == "tmap" else 8
+
+    @property
+    def align(self) -> int:
+        return 64 if self.kind == "tmap" else 8
 
 
 class ParamLayout:
-    """The byte layout of one kernel's parameter struct (rendered into the template from the same fields)."""
+    """The byte layout of one kernel's parameter struct (rendered into the template from the same fields): C's
+    layout, each field at the next multiple of its alignment and the size a multiple of the largest (8-byte fields
+    alone leave no padding)."""
 
     def __init__(self, fields: list[Param]):
         self.fields = tuple(fields)
         self.names = tuple(f.name for f in fields)
         self.index = {name: i for i, name in enumerate(self.names)}
-        self.struct = _struct.Struct("<" + "".join({"ptr": "Q", "i64": "q", "f64": "d"}[f.kind] for f in fields))
+        fmt, offset, offsets = "<", 0, []
+        for f in fields:
+            pad = -offset % f.align
+            fmt += "x" * pad + {"ptr": "Q", "i64": "q", "f64": "d", "tmap": "128s"}[f.kind]
+            offset += pad
+            offsets.append(offset)
+            offset += f.size
+        align = max((f.align for f in fields), default=8)
+        fmt += "x" * (-offset % align)
+        self.offsets = tuple(offsets)
+        self.align = align
+        self.struct = _struct.Struct(fmt)
         self.size = self.struct.size
 
-    def values(self, **kwargs: int | float) -> list[int | float]:
+    def values(self, **kwargs: int | float | bytes) -> list[int | float | bytes]:
         missing = [n for n in self.names if n not in kwargs]
         extra = [n for n in kwargs if n not in self.index]
         if missing or extra:
@@ -177,16 +198,26 @@ def variant_param_name(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def attention_layout(variant: Variant | None) -> ParamLayout:
-    """PARAMS["attention"], plus one 8-byte field per variant parameter (scalars widened to double/int64)."""
-    if variant is None:
-        return PARAMS["attention"]
+def attention_layout(variant: Variant | None, family: str = "fa2") -> ParamLayout:
+    """PARAMS["attention"], plus one 8-byte field per variant parameter (scalars widened to double/int64), plus the
+    kernel family's own fields (its module's PARAM_FIELDS: sm90's TMA descriptors), last so that every other field
+    keeps its place."""
     extra = []
-    for part in variant.parts:
+    for part in variant.parts if variant is not None else ():
         for name, kind in part.params:
             k = "ptr" if isinstance(kind, TensorParam) else ("f64" if kind is float else "i64")
             extra.append(Param(variant_param_name(name), k, f"variant {part.name}: {name}"))
-    return ParamLayout(list(PARAMS["attention"].fields) + extra)
+    own = family_fields(family)
+    if not extra and not own:
+        return PARAMS["attention"]
+    return ParamLayout(list(PARAMS["attention"].fields) + extra + list(own))
+
+
+@functools.lru_cache(maxsize=8)
+def family_fields(family: str) -> tuple[Param, ...]:
+    """A kernel family's own parameter fields (its module's PARAM_FIELDS text, in _p's format)."""
+    text = getattr(families.get(family), "PARAM_FIELDS", "")
+    return tuple(_p(text)) if text.strip() else ()
 
 
 # --- rendering -----------------------------------------------------------------------------------------
@@ -274,11 +305,13 @@ def _variant_context(variant: Variant) -> dict:
 
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:
     cpp_bool = lambda b: "true" if b else "false"  # noqa: E731
-    layout = attention_layout(spec.variant) if spec.op in families.OPS else None
+    layout = attention_layout(spec.variant, spec.family) if spec.op in families.OPS else None
     params = {k: v.fields for k, v in PARAMS.items()}
     if layout is not None:
         params["attention"] = layout.fields
-    ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": params}
+    ctx: dict = {"op": spec.op, "spec_json": spec.canonical(), "params": params,
+                 "params_size": layout.size if layout is not None else 0,
+                 "params_offsets": dict(zip(layout.names, layout.offsets)) if layout is not None else {}}
     kernels: dict[str, KernelInfo] = {}
     if spec.op in families.OPS:
         family = families.get(spec.family)

@@ -146,9 +146,14 @@ NATIVE: Knob[bool] = Knob(
     "1 (default): plan with the compiled scheduler (attnjit._cplan) where it was built and copy plan() metadata "
     "through CuPy's runtime calls; 0: the Python scheduler (same work lists) and torch's copies")
 
+TMA: Knob[bool] = Knob(
+    "ATTNJIT_TMA", True, _bool,
+    "1 (default): sm90 kernels copy q and the KV cache with the TMA unit where the tensors allow (attnjit/tma.py); "
+    "0: with cp.async only (the same kernels and results)")
+
 PACKAGES: Knob[bool] = Knob(
     "ATTNJIT_PACKAGES", True, _bool,
     "1 (default): also search the layers of installed kernel packages (attnjit pack wheels); 0: ignore them")
 
 ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, PACKAGES, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE,
-                         JOBS, NUM_SMS, NATIVE)
+                         JOBS, NUM_SMS, NATIVE, TMA)

@@ -41,7 +41,7 @@ def parse_struct(source: str, name: str) -> list[tuple[str, str]]:
     """[(ctype, field)] of ``struct name { ... };`` in source."""
     m = re.search(r"^struct " + name + r" \{\n(.*?)^\};", source, re.S | re.M)
     assert m, f"struct {name} not found"
-    fields = re.findall(r"^\s*(\w+) (\w+);", m.group(1), re.M)
+    fields = re.findall(r"^\s*([\w:]+) (\w+);", m.group(1), re.M)
     assert fields, f"struct {name} has no fields"
     return fields
 
@@ -182,8 +182,18 @@ def test_param_struct_field_order_matches_the_generator(spec):
         struct = next(m.group(4) for m in _KERNEL_RE.finditer(rendered.source) if m.group(3) == name)
         layout = info.layout
         assert parse_struct(rendered.source, struct) == [(f.ctype, f.name) for f in layout.fields], name
-        # 8-byte fields and a packed struct: no padding between what Python packs and what CUDA reads
-        assert layout.size == 8 * len(layout.fields)
+        # C's layout: 8-byte fields back to back, a CUtensorMap (sm90's TMA fields) at a multiple of 64, the size a
+        # multiple of the largest alignment; the sm90 template asserts both against the compiler's (sizeof, offsetof)
+        offset = 0
+        for f, at in zip(layout.fields, layout.offsets):
+            assert at == offset + (-offset % f.align), (name, f.name)
+            offset = at + f.size
+        assert layout.size == offset + (-offset % layout.align)
+        if any(f.kind == "tmap" for f in layout.fields):
+            assert f"static_assert(sizeof(AttentionParams) == {layout.size}," in rendered.source
+            assert layout.offsets[layout.index["tma_q"]] % 64 == 0
+        else:
+            assert layout.size == 8 * len(layout.fields)
 
 
 def test_param_layout_values_checks_names():

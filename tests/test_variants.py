@@ -247,7 +247,7 @@ def test_the_parameter_struct_holds_every_variant_field_in_kernel_order():
     w.plan(i([0, 3, 4, 8]), i([0, 2, 3, 6]), i([7, 2, 11, 3, 14, 6]), i([2, 2, 1]), 32, 8, 128, 4, causal=True,
            q_data_type=torch.float16, logits_soft_cap=30.0)
     plan = w._plan
-    layout = attention_layout(plan.spec.variant)
+    layout = attention_layout(plan.spec.variant, plan.spec.family)
     assert len(plan.attn_values) == len(layout.names)
     assert all(info.layout is layout for info in render(plan.spec).kernels.values())
     assert plan.attn_values[layout.index[variant_param_name("logits_soft_cap")]] == 30.0

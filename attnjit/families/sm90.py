@@ -30,6 +30,14 @@ if TYPE_CHECKING:
 NAME = "sm90"
 TEMPLATE = "sm90/attention.cu.jinja"
 PERSISTENT = True   # one CTA per SM walks the work list (the grid is min(work, SMs))
+# The family's own kernel parameters, after the shared ones (generator.attention_layout): the TMA descriptors of
+# q, k and v (attnjit/tma.py encodes them per run(); sm90/tma.cuh reads them) and which of them this run may use.
+PARAM_FIELDS = """
+    tma_flags: i64: TMA descriptors valid this run: 1 k and v, 2 q (attnjit/tma.py)
+    tma_q: tmap: q's CUtensorMap, box {64, GROUP, CTA_Q / GROUP}
+    tma_k: tmap: k's CUtensorMap, box {64, TMA_ROWS tokens of one head}
+    tma_v: tmap: v's CUtensorMap, same box as k
+"""
 
 
 def unsupported(spec: "AttentionSpec") -> str | None:
@@ -210,5 +218,21 @@ def prefers(spec: "AttentionSpec", max_packed_rows: int) -> bool:
     return max_packed_rows > fa2.narrow_tile(spec.head_dim_qk, spec.page_size or 0, spec.group_size).cta_q
 
 
+def tma_boxes(spec: "AttentionSpec", tile: Tile) -> tuple[tuple[int, int] | None, int]:
+    """What ``tile``'s kernel copies by TMA (sm90/tma.cuh tma_q, tma_rows, tma_kv; the template asserts they agree):
+    the Q box's (GROUP, CTA_Q) or None, and the rows of a K/V box or 0. Not over an fp8 cache (its tiles are
+    converted in place after the copy)."""
+    if _fp8(spec):
+        return None, 0
+    g, ps = spec.group_size, spec.page_size or 0
+    q = (g, tile.cta_q) if tile.cta_q % g == 0 and g <= 256 and tile.cta_q // g <= 256 else None
+    paged = spec.kv == "paged"
+    rows = ps if paged and ps < tile.cta_kv else tile.cta_kv
+    in_page = ps >= 16 and ps % 16 == 0 and (tile.cta_kv % ps == 0 or ps % tile.cta_kv == 0)
+    kv = rows if rows % 8 == 0 and (not paged or in_page) else 0
+    return q, kv
+
+
 def context(spec: "AttentionSpec") -> dict:
-    return {"tiles": tiles(spec)}
+    ts = tiles(spec)
+    return {"tiles": ts, "tma": {t.name: tma_boxes(spec, t) for t in ts}}

@@ -49,9 +49,12 @@ class Plan:
     extra: dict = field(default_factory=dict)     # a wrapper's own decisions for the record (decode: tensor cores)
     sm_scale_log2: float = 0.0      # sm_scale * log2(e): the parameter struct's, before a run()'s scalar k_scale
     merge_table: Any = None         # a deferred-merge plan: its work.merge_table on the device (merge_partials)
+    tma: Any = None                 # tma.Copies: what the kernel may copy by TMA (sm90), or None
+    tma_used: str = ""              # what the last launch copied by TMA ("q+kv", "q", "kv", "")
 
     def decision(self) -> dict:
-        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra}
+        tma = {"tma": self.tma_used} if self.tma is not None else {}
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra, **tma}
 
 
 def vector_ready(t: torch.Tensor) -> bool:
@@ -163,14 +166,31 @@ def kv_scales(plan: Plan, device: torch.device, k_scale: Any, v_scale: Any) -> f
 
 
 def launch(plan: Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int, stride1: int, out, os_,
-           lse) -> None:
-    """Fill run()'s fields of the parameter struct (pointers and strides) and launch."""
+           lse, kv_rows: int = 0) -> None:
+    """Fill run()'s fields of the parameter struct (pointers, strides, TMA descriptors) and launch."""
     vals = plan.attn_values
     vals[0], vals[1], vals[2], vals[3] = q.data_ptr(), k_ptr, v_ptr, out.data_ptr()
     vals[4] = lse.data_ptr() if lse is not None else 0
     vals[_QSN], vals[_QSH], vals[_OSN], vals[_OSH] = qs[0], qs[1], os_[0], os_[1]
     vals[_KV0], vals[_KV1] = stride0, stride1
+    if plan.tma is not None:
+        plan.tma_used = plan.tma.fill(vals, q, k_ptr, v_ptr, rows=kv_rows, page_size=plan.page_size or 0,
+                                      heads=plan.num_kv_heads, head_dim=plan.head_dim, stride0=stride0,
+                                      stride1=stride1)
     plan.attn(vals)
+
+
+def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
+    """The kernel's tma.Copies (its family's tma_boxes of the tile), or None where it copies nothing by TMA."""
+    from .. import families, tma
+
+    boxes = getattr(families.get(spec.family), "tma_boxes", None)
+    if boxes is None or "tma_flags" not in layout.index:
+        return None
+    q_box, kv_rows = boxes(spec, tile)
+    i = layout.index
+    return tma.Copies(q_box=q_box, kv_rows=kv_rows, dtype=spec.dtype_q, paged=spec.kv == "paged",
+                      hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]))
 
 
 

@@ -13,14 +13,14 @@ import torch
 
 from .. import dispatch, families, knobs, tuning
 from ..errors import NoGPUError
-from ..generator import PARAMS, attention_layout, variant_param_name
+from ..generator import PARAMS, attention_layout, family_fields, variant_param_name
 from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
 from .planner import _LOG2E
 from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, spec_for,
                       unpack_paged_cache, unsupported, with_family)
-from ._running import Plan, check_q_out, kv_scales, launch, variant_args
+from ._running import Plan, check_q_out, copies_for, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
@@ -42,6 +42,7 @@ class _Prepared:
     bound_slots: list         # (name, struct index, kind) of the variant values plan() fixes
     variant_slots: list       # (name, struct index, kind) of the run()-time variant parameters
     extra: dict               # the wrapper's own decisions for the record
+    tma: Any = None           # tma.Copies of the kernel (sm90), or None
 
 
 _A = PARAMS["attention"].index  # the fields each plan fills, at their PARAMS["attention"] positions
@@ -259,7 +260,7 @@ class _AttentionWrapper(FlashInferAliases):
                     on_gpu=on_gpu, q_shape=torch.Size((total_q, num_qo_heads, spec.head_dim_qk)), binding=binding,
                     variant_sizes={"qo_head": num_qo_heads, "kv_head": num_kv_heads, "request": size,
                                    "request+1": size + 1, "qo_token": total_q}, sched=prep.sched,
-                    layout=prep.layout, variant_slots=prep.variant_slots, extra=prep.extra)
+                    layout=prep.layout, variant_slots=prep.variant_slots, extra=prep.extra, tma=prep.tma)
         plan.keep += binding.keep
         plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
         plan.sm_scale_log2 = opts.sm_scale * _LOG2E   # run()'s scalar k_scale multiplies it (_running.kv_scales)
@@ -368,22 +369,24 @@ class _AttentionWrapper(FlashInferAliases):
             launch = self._launches.get(kernel.ptr)
             if launch is None or launch.kernel is not kernel:
                 launch = self._launches[kernel.ptr] = dispatch.Launch(self._op, kernel, (1, 1, 1))
-        layout = attention_layout(spec.variant)
+        layout = attention_layout(spec.variant, spec.family)
         kinds = binding.kinds()
         ws = self._workspace.data_ptr() if kernel is not None else 0
         values = layout.values(
             q=0, k=0, v=0, o=0, lse=0, tmp_o=ws, tmp_lse=ws + max_slots * hq * d * 4, kv_indices=0, work=0,
             work_count=0, merge_counters=0, q_stride_n=0, q_stride_h=0, o_stride_n=0, o_stride_h=0, kv_stride_0=0,
             kv_stride_1=0, num_qo_heads=hq, num_kv_heads=hkv, sm_scale_log2=sm_scale * _LOG2E, scale_k=0, scale_v=0,
-            scale_v_value=1.0, **{variant_param_name(n): 0 for n in kinds})  # bound ones: each plan's; the rest: each run()'s
+            scale_v_value=1.0, **{variant_param_name(n): 0 for n in kinds},  # bound ones: each plan's; the rest: each run()'s
+            **{f.name: 0 if f.kind != "tmap" else bytes(128) for f in family_fields(spec.family)})
         if kernel is not None:
-            assert len(values) == kernel.layout.struct.size // 8, "plan and kernel disagree on parameters"
+            assert kernel.layout.names == layout.names, "plan and kernel disagree on parameters"
+        tma = copies_for(spec, tile, layout)
         persistent = getattr(families.get(spec.family), "PERSISTENT", False)
         return _Prepared(slots=slots, sched=sched, launch=launch, layout=layout, values=values,
                          persistent=persistent, count=self._use_cuda_graph or persistent,
                          bound_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.bound],
                          variant_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required],
-                         extra=self._decision_extra())
+                         extra=self._decision_extra(), tma=tma)
 
     def _fill_launch(self, plan: Plan, prep: _Prepared, ptr: dict[str, int]) -> None:
         """The plan's parameter struct (the key's, with this plan's pointers and variant values) and grid."""
@@ -445,12 +448,13 @@ class _AttentionWrapper(FlashInferAliases):
         return (out, lse) if return_lse else out
 
     def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
-                    stride0: int, stride1: int):
-        """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch."""
+                    stride0: int, stride1: int, kv_rows: int = 0):
+        """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch.
+        kv_rows: the KV operand's pages (paged) or tokens (ragged), for its TMA descriptors."""
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         post = kv_scales(plan, self._device, k_scale, v_scale)
         self._require_gpu(plan)
-        launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse)
+        launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse, kv_rows)
         if plan.merge_table is not None:  # a deferred plan: the kernel wrote partial states only; merged into the
             if lse is None:               # state (out, lse) holds (the cascade's other levels), v_scale with them
                 raise ValueError("run() of a deferred-merge plan merges into out and lse: pass both")
@@ -518,7 +522,7 @@ class _PagedMixin:
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
-                                cache.stride_page, cache.stride_inner)
+                                cache.stride_page, cache.stride_inner, cache.num_pages)
 
     _op_kind = "paged"
 

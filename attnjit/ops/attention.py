@@ -260,6 +260,6 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
-                                k.stride(0), k.stride(1))
+                                k.stride(0), k.stride(1), k.shape[0])
 
     _op_kind = "ragged"

@@ -98,12 +98,43 @@ def test_matches_reference(case: Case, family: str, workspace):
     assert_close(out, ref_o, torch.bfloat16 if case.kv else case.dtype)  # fp8: within the bf16 tolerance
     assert_lse_close(lse, ref_lse)
     decision = w.last_plan
+    if family == "sm90":  # what the run copied by TMA: all it can (these tensors are contiguous and aligned)
+        assert decision["tma"] == _expected_tma(w._plan), decision
     if case.split == "force" and max(case.kv_lens) > 128:
         assert decision["split_kv"], decision
     if case.split == "off":
         assert not decision["split_kv"], decision
     if case.name.endswith("autosplit") or case.name == "decode-128k":
         assert decision["split_kv"], decision
+
+
+def _expected_tma(plan) -> str:
+    """The TMA copies a contiguous run of ``plan`` takes: Q where its kernel has a Q box and the batch holds a box of
+    tokens, K/V where its kernel has a K/V box (a ragged cache of at least one tile's tokens)."""
+    from attnjit.families import sm90
+
+    q_box, kv_rows = sm90.tma_boxes(plan.spec, plan.work.tile)
+    used = []
+    if q_box is not None and plan.total_q >= q_box[1] // q_box[0]:
+        used.append("q")
+    if kv_rows and (plan.spec.kv == "paged" or plan.total_kv >= kv_rows):
+        used.append("kv")
+    return "+".join(used)
+
+
+# the same cases with the TMA copies off (ATTNJIT_TMA=0): the cp.async copies of the same kernels, still correct
+NO_TMA = [(c, f) for c, f in MATRIX if f == "sm90" and c.kind != "decode" and not c.kv][:12]
+
+
+@pytest.mark.parametrize("case,family", NO_TMA, ids=[f"{c.name}-{f}-notma" for c, f in NO_TMA])
+def test_sm90_without_tma_matches_reference(case: Case, family: str, workspace, monkeypatch):
+    monkeypatch.setenv("ATTNJIT_TMA", "0")
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(case.name.encode()) % 1000 + 7,
+                                           family=family)
+    torch.cuda.synchronize()
+    assert w.last_plan["tma"] == "", w.last_plan
+    assert_close(out, ref_o, case.dtype)
+    assert_lse_close(lse, ref_lse)
 
 
 @pytest.mark.parametrize("case,tile", TILE_MATRIX, ids=[f"{c.name}-sm90-{t}" for c, t in TILE_MATRIX])

@@ -1,9 +1,11 @@
 // attnjit/sm90/producer.cuh: the sm90 family's shared-memory map, its rings, the work order both roles walk, and the
-// producer warpgroup: Q, K and V copied (paged or ragged, attnjit/kv_load.cuh) into the tiles the consumers' wgmma
-// read, each batch completing on an mbarrier; an fp8 cache copied as stored into those tiles and converted there.
+// producer warpgroup: Q, K and V copied (paged or ragged, attnjit/kv_load.cuh; by TMA where a tile allows,
+// attnjit/sm90/tma.cuh) into the tiles the consumers' wgmma read, each batch completing on an mbarrier; an fp8
+// cache copied as stored into those tiles and converted there.
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/kv_load.cuh"
+#include "attnjit/sm90/tma.cuh"
 #include "attnjit/sm90/traits.cuh"
 #include "attnjit/sm90/wgmma.cuh"
 #include "attnjit/work.cuh"
@@ -52,40 +54,85 @@ __device__ __forceinline__ void for_each_item(const P& p, F&& f) {
 
 // ---- producer ---------------------------------------------------------------------------------------------------
 
+// The 16-bit producer's page ids, a tile ahead: every thread's copy passes (RegPageIds), or, in a TMA kernel, one
+// per lane of the first warp (lane_page_id; the odd cp.async tile loads its passes' ids when it comes).
+template <typename Tr, typename Item, bool LANES = tma_kv<Tr>()>
+struct TilePageIds {
+  RegPageIds<Tr::KV_PASSES> next, cur, prev;
+  __device__ __forceinline__ void fetch(const Item& it, int tile, unsigned tid) { load_page_ids<Tr>(it, tile, next, tid); }
+  __device__ __forceinline__ void take() { cur = next; }
+  __device__ __forceinline__ void keep() { prev = cur; }
+  template <bool IS_V>
+  __device__ __forceinline__ void copy(const Item& it, int tile, uint32_t dst, uint64_t* full, unsigned tid) const {
+    gather_kv<Tr, !IS_V, IS_V>(it, tile, IS_V ? 0u : dst, IS_V ? dst : 0u, IS_V ? prev : cur, tid);
+    mbar_arrive_cp_async(full);
+  }
+};
+template <typename Tr, typename Item>
+struct TilePageIds<Tr, Item, true> {
+  int next = 0, cur = 0, prev = 0;
+  __device__ __forceinline__ void fetch(const Item& it, int tile, unsigned tid) { next = lane_page_id<Tr>(it, tile, tid); }
+  __device__ __forceinline__ void take() { cur = next; }
+  __device__ __forceinline__ void keep() { prev = cur; }
+  // by TMA where tma_tile says so, else by every thread's cp.async (each arrives once its copies land)
+  template <bool IS_V>
+  __device__ __forceinline__ void copy(const Item& it, int tile, uint32_t dst, uint64_t* full, unsigned tid) const {
+    if (tma_tile<Tr>(it, it.p.tma_flags, tile)) {
+      tma_kv_tile<Tr>(it, IS_V ? &it.p.tma_v : &it.p.tma_k, dst, full, tile, IS_V ? prev : cur, tid);
+    } else {
+      RegPageIds<Tr::KV_PASSES> here;
+      load_page_ids<Tr>(it, tile, here, tid);
+      gather_kv<Tr, !IS_V, IS_V>(it, tile, IS_V ? 0u : dst, IS_V ? dst : 0u, here, tid);
+      mbar_arrive_cp_async(full);
+    }
+  }
+};
+
 template <typename Tr, typename P>
 __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
-  WorkItem<Tr, P> it(p);
+  using Item = WorkItem<Tr, P>;
+  Item it(p);
   const unsigned tid = threadIdx.x;  // 0..127
   Ring<Tr::NUM_STAGES> kr, vr;
   Ring<Tr::Q_STAGES> qr;
+  constexpr bool TMA_Q = tma_q<Tr>();
+  if (tid == 0) {
+    if (TMA_Q && (p.tma_flags & kTmaQ)) tma_prefetch(&p.tma_q);
+    if (tma_kv<Tr>() && (p.tma_flags & kTmaKV)) {
+      tma_prefetch(&p.tma_k);
+      tma_prefetch(&p.tma_v);
+    }
+  }
   for_each_item(p, [&](int w, int head) {
     it.kv_head = head;
     if (!it.setup(w)) return;
     mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);  // the consumers are done with that Q tile (and its O staging)
-    gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);
-    mbar_arrive_cp_async(sm.q_full(qr.stage));
+    if (TMA_Q && (p.tma_flags & kTmaQ)) {
+      if (tid == 0) tma_q_tile<Tr>(it, &p.tma_q, smem_u32(sm.q(qr.stage)), sm.q_full(qr.stage));
+      else mbar_arrive(sm.q_full(qr.stage));
+    } else {
+      gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);
+      mbar_arrive_cp_async(sm.q_full(qr.stage));
+    }
     qr.advance();
-    RegPageIds<Tr::KV_PASSES> next, cur, prev;
-    if (it.num_tiles > 0) load_page_ids<Tr>(it, 0, next, tid);
+    TilePageIds<Tr, Item> ids;
+    if (it.num_tiles > 0) ids.fetch(it, 0, tid);
     for (int t = 0; t < it.num_tiles; ++t) {
-      cur = next;
-      if (t + 1 < it.num_tiles) load_page_ids<Tr>(it, t + 1, next, tid);  // in flight while this tile issues
+      ids.take();
+      if (t + 1 < it.num_tiles) ids.fetch(it, t + 1, tid);  // in flight while this tile issues
       mbar_wait(sm.k_empty(kr.stage), kr.phase ^ 1);
-      gather_kv<Tr, true, false>(it, t, smem_u32(sm.k(kr.stage)), 0u, cur, tid);
-      mbar_arrive_cp_async(sm.k_full(kr.stage));
+      ids.template copy<false>(it, t, smem_u32(sm.k(kr.stage)), sm.k_full(kr.stage), tid);
       kr.advance();
       if (t > 0) {
         mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
-        gather_kv<Tr, false, true>(it, t - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
-        mbar_arrive_cp_async(sm.v_full(vr.stage));
+        ids.template copy<true>(it, t - 1, smem_u32(sm.v(vr.stage)), sm.v_full(vr.stage), tid);
         vr.advance();
       }
-      prev = cur;
+      ids.keep();
     }
     if (it.num_tiles > 0) {
       mbar_wait(sm.v_empty(vr.stage), vr.phase ^ 1);
-      gather_kv<Tr, false, true>(it, it.num_tiles - 1, 0u, smem_u32(sm.v(vr.stage)), prev, tid);
-      mbar_arrive_cp_async(sm.v_full(vr.stage));
+      ids.template copy<true>(it, it.num_tiles - 1, smem_u32(sm.v(vr.stage)), sm.v_full(vr.stage), tid);
       vr.advance();
     }
   });

@@ -1,0 +1,142 @@
+// attnjit/sm90/tma.cuh: the sm90 producer's TMA copies (cp.async.bulk.tensor): Q tiles, and K/V tiles where a
+// tile is whole boxes of contiguous rows (a ragged cache, or pages of 8k tokens that nest with the tile).
+//
+// The host encodes one CUtensorMap per tensor (attnjit/tma.py, the driver's cuTensorMapEncodeTiled) into the
+// kernel's parameter struct (a __grid_constant__, so the descriptors' addresses are valid for the copies) and sets
+// tma_flags where each one is usable for this run; else the producer copies with cp.async, as without TMA.
+//   Q:   3-D {d, qo head, token}; box {64, GROUP, CTA_Q / GROUP}: the box's 128-byte lines are packed rows
+//        (token-major, GROUP heads each), which is the Q tile's row order when an item starts on a token.
+//   K/V: paged 4-D {d, kv head, slot, page} (NHD) or {d, slot, kv head, page} (HND); ragged 3-D {d, kv head,
+//        token}: the dims in memory order (each stride nests the ones below it); a box is TMA_ROWS rows (tokens)
+//        of one head.
+// Every box is written with the 128-byte swizzle, which is the tile layout the wgmma descriptors read
+// (attnjit/kv_load.cuh tile_offset) when the box lands 1024-byte aligned: box j of a tile at j * TMA_ROWS * 128
+// bytes, so TMA_ROWS is a multiple of 8. Out-of-range rows are zero-filled by the TMA unit, but the producer only
+// takes TMA for a K/V tile whose rows all hold the request's data (rows past kv_stop but before kv_len are the
+// request's own keys: finite, hidden by the mask, P = 0 for them); a tile reaching past kv_len is copied with
+// cp.async, whose zero fill keeps hidden values finite.
+#pragma once
+#include <cstddef>
+
+#include "attnjit/common.cuh"
+#include "attnjit/kv_load.cuh"
+#include "attnjit/sm90/wgmma.cuh"
+
+namespace attnjit {
+
+// A CUtensorMap: 128 opaque bytes, 64-byte aligned (cuda.h's CUtensorMap_st), filled by the host.
+struct alignas(64) TensorMap {
+  uint64_t opaque[16];
+};
+
+namespace sm90 {
+
+// tma_flags bits (attnjit/tma.py FLAG_*)
+constexpr int64_t kTmaKV = 1, kTmaQ = 2;
+
+// Whether traits Tr can copy Q / K / V tiles with TMA (the spec's part; the run's part is tma_flags).
+template <typename Tr>
+__host__ __device__ constexpr bool tma_q() {
+  return !Tr::FP8_KV && Tr::CTA_Q % Tr::GROUP == 0 && Tr::GROUP <= 256 && Tr::CTA_Q / Tr::GROUP <= 256;
+}
+template <typename Tr>
+__host__ __device__ constexpr int tma_rows() {  // rows (tokens) of one K/V box
+  return Tr::PAGED && Tr::PAGE_SIZE < Tr::CTA_KV ? Tr::PAGE_SIZE : Tr::CTA_KV;
+}
+template <typename Tr>
+__host__ __device__ constexpr bool tma_kv() {
+  // paged: the copy passes' page ids (RegPageIds) name each box's page, so pages nest with passes and the tile
+  return !Tr::FP8_KV && tma_rows<Tr>() % 8 == 0 && (!Tr::PAGED || pass_in_page<Tr>());
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_prefetch(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3)
+      : "memory");
+}
+
+// The item's Q tile at shared address dst, completing on `bar` (one thread: it also arrives with the bytes).
+template <typename Tr, typename Item>
+__device__ __forceinline__ void tma_q_tile(const Item& it, const TensorMap* map, uint32_t dst, uint64_t* bar) {
+  mbar_arrive_expect_tx(bar, Tr::Q_BYTES);
+  const int head = it.kv_head * Tr::GROUP;
+  const int tok = static_cast<int>(it.q_begin) + it.packed_row0 / Tr::GROUP;
+#pragma unroll
+  for (int c = 0; c < Tr::HEAD_DIM / 64; ++c) tma_load_3d(dst + c * Tr::Q_STEP, map, bar, c * 64, head, tok);
+}
+
+// Whether tile `tile` of the item is copied by TMA: every row holds the request's data (see the top).
+template <typename Tr, typename Item>
+__device__ __forceinline__ bool tma_tile(const Item& it, int64_t flags, int tile) {
+  if constexpr (!tma_kv<Tr>()) return false;
+  return (flags & kTmaKV) && it.kv_begin + (tile + 1) * Tr::CTA_KV <= it.kv_len;
+}
+
+// A TMA kernel's page ids: lane j of the producer's first warp holds box j's page of a tile (one register a tile,
+// where the cp.async loader's RegPageIds hold a tile's passes in every thread). Ragged: none.
+template <typename Tr, typename Item>
+__device__ __forceinline__ int lane_page_id(const Item& it, int tile, unsigned tid) {
+  if constexpr (!Tr::PAGED) {
+    return 0;
+  } else {
+    constexpr int ROWS = tma_rows<Tr>();
+    const int j = it.kv_begin + tile * Tr::CTA_KV + static_cast<int>(tid % 32) * ROWS;  // box (lane)'s first row
+    const int32_t* indices = reinterpret_cast<const int32_t*>(it.p.kv_indices) + it.kv_base;
+    return tid < 32 && static_cast<int>(tid) < Tr::CTA_KV / ROWS && j < it.kv_len
+               ? __ldg(indices + page_of<Tr::PAGE_SIZE>(j)) : 0;
+  }
+}
+
+// K or V tile `tile` at shared address dst, completing on `bar`, by the producer's first warp: lane 0 arrives with
+// the tile's bytes, lane j < boxes issues box j (page: its lane_page_id) of every 64-column block; the other
+// threads arrive. Paged pages of a tile: whole pages (kv0 is page-aligned) or one page's rows (kv0 % PAGE_SIZE).
+template <typename Tr, typename Item>
+__device__ __forceinline__ void tma_kv_tile(const Item& it, const TensorMap* map, uint32_t dst, uint64_t* bar,
+                                            int tile, int page, unsigned tid) {
+  constexpr int ROWS = tma_rows<Tr>();
+  constexpr int BOXES = Tr::CTA_KV / ROWS;
+  static_assert(BOXES <= 32, "a box per lane of one warp");
+  if (tid >= 32) {
+    mbar_arrive(bar);
+    return;
+  }
+  if (tid == 0) mbar_arrive_expect_tx(bar, Tr::KV_BYTES);
+  else mbar_arrive(bar);
+  const int j = static_cast<int>(tid);
+  if (j < BOXES) {
+    const int kv0 = it.kv_begin + tile * Tr::CTA_KV;
+    const uint32_t to = dst + j * ROWS * 128;
+#pragma unroll
+    for (int c = 0; c < Tr::HEAD_DIM / 64; ++c) {
+      if constexpr (Tr::PAGED) {
+        const int slot = Tr::PAGE_SIZE > Tr::CTA_KV ? kv0 % Tr::PAGE_SIZE : 0;
+        if constexpr (Tr::HND) tma_load_4d(to + c * Tr::KV_STEP, map, bar, c * 64, slot, it.kv_head, page);
+        else tma_load_4d(to + c * Tr::KV_STEP, map, bar, c * 64, it.kv_head, slot, page);
+      } else {
+        tma_load_3d(to + c * Tr::KV_STEP, map, bar, c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0);
+      }
+    }
+  }
+}
+
+}  // namespace sm90
+}  // namespace attnjit

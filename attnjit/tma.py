@@ -1,0 +1,156 @@
+"""CUtensorMap descriptors for the sm90 family's TMA copies (``templates/include/attnjit/sm90/tma.cuh``).
+
+A kernel that can copy Q, or K and V, with the tensor-memory accelerator reads a descriptor per tensor from its
+parameter struct (``sm90.PARAM_FIELDS``). run() describes each tensor here (``Copies.fill``): its address, its
+dims in memory order with their byte strides, and the box one copy reads; where the tensor meets every TMA rule
+the driver encodes it (``cuTensorMapEncodeTiled``, once per distinct tensor: kept by its description) and the run's
+``tma_flags`` say so; where not (a stride that is not a multiple of 16 bytes, dims that do not nest, an address
+off 16 bytes, no driver), the kernel copies that tensor with cp.async as it would without TMA. The same results
+either way: a test runs both (``ATTNJIT_TMA=0``).
+
+Dims (innermost first), as the kernel indexes them:
+  q         [nnz_qo, H_q, D]          {D, H_q, nnz_qo}, box {64, GROUP, CTA_Q / GROUP}
+  k, v NHD  [pages, page, H_kv, D]    {D, H_kv, page, pages}, box {64, 1, rows, 1}
+  k, v HND  [pages, H_kv, page, D]    {D, page, H_kv, pages}, box {64, rows, 1, 1}
+  k, v      [nnz_kv, H_kv, D]         {D, H_kv, nnz_kv}, box {64, 1, rows}   (ragged)
+Every box lands in the 128-byte swizzle, which is the layout the kernel's wgmma read.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from . import knobs
+
+FLAG_KV, FLAG_Q = 1, 2   # tma_flags bits (sm90/tma.cuh kTmaKV, kTmaQ)
+MAP_BYTES = 128
+_NONE = bytes(MAP_BYTES)
+_DTYPE = {2: {"bf16": 9, "fp16": 6}}            # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / FLOAT16
+_SWIZZLE_128B, _L2_128B, _L2_256B = 3, 2, 3      # CUtensorMapSwizzle, CUtensorMapL2promotion
+
+
+@dataclass(frozen=True)
+class MapArgs:
+    """One descriptor's arguments: element type (CUtensorMapDataType), address, dims (elements, innermost first),
+    byte strides of dims 1.., box (elements), L2 promotion."""
+
+    dtype: int
+    address: int
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+    box: tuple[int, ...]
+    l2: int = _L2_128B
+
+
+def describe(dtype: int, elem: int, address: int, dims: tuple[int, ...], strides: tuple[int, ...],
+             box: tuple[int, ...], l2: int = _L2_128B) -> MapArgs | str:
+    """The descriptor's arguments (strides in elements, of dims 1..), or why the TMA unit cannot read this tensor."""
+    if address % 16:
+        return f"address {address:#x} is not 16-byte aligned"
+    if any(d < 1 or d > 2 ** 32 for d in dims):
+        return f"dims {dims} out of 1 .. 2^32"
+    if any(b < 1 or b > 256 or b > d for b, d in zip(box, dims)) or box[0] * elem % 16:
+        return f"box {box} does not fit dims {dims}"
+    byte_strides = tuple(s * elem for s in strides)
+    extent = dims[0] * elem
+    for i, s in enumerate(byte_strides):
+        if s % 16 or s >= 2 ** 40:
+            return f"stride {s} B of dim {i + 1} is not a multiple of 16 below 2^40"
+        if s < extent:  # each dim's stride nests the dims below it (cuTensorMapEncodeTiled's rule)
+            return f"dims {dims} with byte strides {byte_strides} do not nest"
+        extent = s * dims[i + 1]
+    return MapArgs(dtype, address, dims, byte_strides, box, l2)
+
+
+def q_args(q, dtype: str, group: int, cta_q: int) -> MapArgs | str:
+    n, h, d = q.shape
+    return describe(_DTYPE[2][dtype], 2, q.data_ptr(), (d, h, n), (q.stride(1), q.stride(0)),
+                    (64, group, cta_q // group))
+
+
+def kv_args(ptr: int, dtype: str, *, paged: bool, hnd: bool, rows: int, page_size: int, heads: int, head_dim: int,
+            stride0: int, stride1: int, box_rows: int) -> MapArgs | str:
+    """k or v: rows = pages (paged) or tokens (ragged); stride0 / stride1 as the kernel's kv_stride_0 / _1."""
+    code = _DTYPE[2][dtype]
+    if not paged:  # [tokens][H][D]: stride0 the token stride, stride1 the head stride
+        return describe(code, 2, ptr, (head_dim, heads, rows), (stride1, stride0), (64, 1, box_rows), _L2_256B)
+    if hnd:        # [pages][H][page][D]: slots D apart, heads stride1
+        return describe(code, 2, ptr, (head_dim, page_size, heads, rows), (head_dim, stride1, stride0),
+                        (64, box_rows, 1, 1), _L2_256B)
+    return describe(code, 2, ptr, (head_dim, heads, page_size, rows), (head_dim, stride1, stride0),
+                    (64, 1, box_rows, 1), _L2_256B)
+
+
+@functools.lru_cache(maxsize=1)
+def _encoder():
+    """cuTensorMapEncodeTiled from the driver library, or None where there is none (no GPU)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuTensorMapEncodeTiled
+    except (OSError, AttributeError):
+        return None
+    u32, u64, p = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+    fn.argtypes = [p, ctypes.c_int, u32, p, ctypes.POINTER(u64), ctypes.POINTER(u64), ctypes.POINTER(u32),
+                   ctypes.POINTER(u32), ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+@functools.lru_cache(maxsize=1024)
+def encode(args: MapArgs) -> bytes | None:
+    """The 128-byte descriptor, or None where the driver refuses it (or there is no driver)."""
+    fn = _encoder()
+    if fn is None:
+        return None
+    rank = len(args.dims)
+    u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+    out = (ctypes.c_uint8 * (MAP_BYTES + 64))()  # 64-byte aligned inside
+    base = ctypes.addressof(out)
+    aligned = base + (-base % 64)
+    err = fn(ctypes.c_void_p(aligned), args.dtype, rank, ctypes.c_void_p(args.address), (u64 * rank)(*args.dims),
+             (u64 * max(rank - 1, 1))(*args.strides), (u32 * rank)(*args.box), (u32 * rank)(*([1] * rank)), 0,
+             _SWIZZLE_128B, args.l2, 0)
+    if err != 0:
+        return None
+    return ctypes.string_at(aligned, MAP_BYTES)
+
+
+@dataclass(frozen=True)
+class Copies:
+    """What one kernel copies by TMA (sm90.tma_boxes): the Q box (GROUP, CTA_Q) or None, the K/V box rows or 0,
+    and where the struct holds flags and descriptors."""
+
+    q_box: tuple[int, int] | None
+    kv_rows: int
+    dtype: str                 # the 16-bit element type of q and the cache
+    paged: bool
+    hnd: bool
+    slots: tuple[int, int, int, int]   # struct indices of tma_flags, tma_q, tma_k, tma_v
+
+    def fill(self, vals: list, q, k_ptr: int, v_ptr: int, *, rows: int, page_size: int, heads: int, head_dim: int,
+             stride0: int, stride1: int) -> str:
+        """Set the run's flags and descriptors in ``vals``; returns what the TMA copies ("q+kv", "q", "kv", "")."""
+        flags, used = 0, []
+        f, sq, sk, sv = self.slots
+        vals[sq] = vals[sk] = vals[sv] = _NONE
+        if knobs.TMA.get():
+            if self.q_box is not None:
+                args = q_args(q, self.dtype, *self.q_box)
+                desc = encode(args) if isinstance(args, MapArgs) else None
+                if desc is not None:
+                    vals[sq], flags = desc, flags | FLAG_Q
+                    used.append("q")
+            if self.kv_rows:
+                kw: dict[str, Any] = dict(paged=self.paged, hnd=self.hnd, rows=rows, page_size=page_size, heads=heads,
+                                          head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows)
+                ka, va = kv_args(k_ptr, self.dtype, **kw), kv_args(v_ptr, self.dtype, **kw)
+                kd = encode(ka) if isinstance(ka, MapArgs) else None
+                vd = encode(va) if isinstance(va, MapArgs) and kd is not None else None
+                if kd is not None and vd is not None:
+                    vals[sk], vals[sv], flags = kd, vd, flags | FLAG_KV
+                    used.append("kv")
+        vals[f] = flags
+        return "+".join(used)

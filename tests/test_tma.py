@@ -1,0 +1,132 @@
+"""The sm90 family's TMA copies on the host: which tensors qualify, the descriptors' arguments, the parameter
+struct's fields, the knob, and (nvcc) the kernels that issue them. On the GPU the correctness matrix runs the same
+kernels with and without them (tests/gpu/test_attention.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from attnjit import tma
+from attnjit.families import sm90
+from attnjit.generator import attention_layout, render
+from attnjit.specs import AttentionSpec
+
+from .cpu_support import compile_kernel
+
+
+def _spec(**kw) -> AttentionSpec:
+    base = dict(op="prefill", head_dim=128, dtype="bf16", mask="causal", group_size=4, family="sm90",
+                arch="sm_90a", page_size=16)
+    base.update(kw)
+    return AttentionSpec(**base)
+
+
+def test_describe_takes_contiguous_tensors_and_refuses_what_tma_cannot_read():
+    ok = tma.describe(9, 2, 0x1000, (128, 8, 4096), (128, 1024), (64, 1, 128))
+    assert isinstance(ok, tma.MapArgs) and ok.strides == (256, 2048) and ok.dims == (128, 8, 4096)
+    assert "16-byte" in tma.describe(9, 2, 0x1008, (128, 8, 64), (128, 1024), (64, 1, 64))
+    assert "multiple of 16" in tma.describe(9, 2, 0x1000, (128, 8, 64), (128, 1028), (64, 1, 64))  # odd token stride
+    assert "nest" in tma.describe(9, 2, 0x1000, (128, 8, 64), (1024, 128), (64, 1, 64))  # heads outside tokens
+    assert "box" in tma.describe(9, 2, 0x1000, (128, 8, 16), (128, 1024), (64, 1, 128))  # a box past a small dim
+    assert "dims" in tma.describe(9, 2, 0x1000, (128, 8, 0), (128, 1024), (64, 1, 1))
+
+
+def test_kv_args_follow_the_cache_layouts():
+    kw = dict(rows=10, page_size=16, heads=8, head_dim=128, box_rows=16)
+    nhd = tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=16 * 8 * 128, stride1=8 * 128, **kw)
+    assert nhd.dims == (128, 8, 16, 10) and nhd.strides == (256, 2048, 32768) and nhd.box == (64, 1, 16, 1)
+    hnd = tma.kv_args(0x2000, "fp16", paged=True, hnd=True, stride0=16 * 8 * 128, stride1=16 * 128, **kw)
+    assert hnd.dims == (128, 16, 8, 10) and hnd.strides == (256, 4096, 32768) and hnd.box == (64, 16, 1, 1)
+    assert hnd.dtype == 6 and nhd.dtype == 9
+    # a [pages, 2, page, H, D] cache's k view: pages twice as far apart, still nesting
+    both = tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=2 * 16 * 8 * 128, stride1=8 * 128, **kw)
+    assert both.strides[-1] == 2 * 32768
+    ragged = tma.kv_args(0x2000, "bf16", paged=False, hnd=False, rows=5000, page_size=0, heads=8, head_dim=128,
+                         stride0=8 * 128, stride1=128, box_rows=128)
+    assert ragged.dims == (128, 8, 5000) and ragged.box == (64, 1, 128)
+
+
+def test_q_args_box_packs_a_group_of_heads_per_token():
+    q = torch.empty(300, 32, 128, dtype=torch.bfloat16)
+    args = tma.q_args(q, "bf16", 4, 128)
+    assert args.dims == (128, 32, 300) and args.box == (64, 4, 32) and args.strides == (256, 32 * 256)
+    sliced = q[:, :, :64]  # a strided view: its token stride still nests, its head dim is 64 wide
+    assert isinstance(tma.q_args(sliced.contiguous(), "bf16", 4, 128), tma.MapArgs)
+    odd = torch.empty(300 * 32 * 128 + 4, dtype=torch.bfloat16)[4:].view(300, 32, 128)  # 8 bytes off
+    assert isinstance(tma.q_args(odd, "bf16", 4, 128), str)
+
+
+@pytest.mark.parametrize("kw,q_box,kv_rows", [
+    (dict(page_size=16), (4, 128), 16),
+    (dict(kv="ragged", page_size=None), (4, 128), 128),
+    (dict(page_size=256), (4, 128), 128),
+    (dict(page_size=1), (4, 128), 0),       # a page a row: the cp.async gather
+    (dict(page_size=48), (4, 128), 0),      # pages that do not nest with the tile
+    (dict(page_size=16, group_size=5), None, 16),  # 128 rows are not whole tokens of 5 heads
+    (dict(page_size=16, dtype=None, dtype_q="fp16", dtype_kv="e4m3", dtype_o="fp16"), None, 0),  # fp8: converted
+])
+def test_tma_boxes_say_what_a_kernel_copies(kw, q_box, kv_rows):
+    spec = _spec(**kw)
+    tile = sm90.tiles(spec)[0]
+    assert sm90.tma_boxes(spec, tile) == (q_box, kv_rows)
+
+
+def test_the_sm90_struct_ends_with_aligned_descriptors_and_fa2_has_none():
+    lay = attention_layout(None, "sm90")
+    at = dict(zip(lay.names, lay.offsets))
+    assert all(at[n] % 64 == 0 for n in ("tma_q", "tma_k", "tma_v")) and lay.size % 64 == 0
+    assert lay.names[-4:] == ("tma_flags", "tma_q", "tma_k", "tma_v")
+    assert "tma_flags" not in attention_layout(None, "fa2").index
+    values = [0] * len(lay.names)
+    for n in ("tma_q", "tma_k", "tma_v"):
+        values[lay.index[n]] = bytes(range(128))
+    packed = lay.struct.pack(*values)
+    assert packed[at["tma_k"]:at["tma_k"] + 128] == bytes(range(128))
+
+
+class _Q:
+    shape, dtype = (300, 32, 128), torch.bfloat16
+
+    def stride(self, i):
+        return (32 * 128, 128, 1)[i]
+
+    def data_ptr(self):
+        return 0x10000
+
+
+def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
+    lay = attention_layout(None, "sm90")
+    i = lay.index
+    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]))
+    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
+    seen = []
+    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
+    vals = [0] * len(lay.names)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "q+kv"
+    assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV and vals[i["tma_k"]] == bytes([2]) * 128
+    assert [a.address for a in seen] == [0x10000, 0x20000, 0x40000]
+    # an unaligned cache: q still by TMA, k/v by cp.async, no descriptor left from the last run
+    assert copies.fill(vals, _Q(), 0x20008, 0x40000, **kw) == "q"
+    assert vals[i["tma_flags"]] == tma.FLAG_Q and vals[i["tma_k"]] == bytes(128)
+    monkeypatch.setenv("ATTNJIT_TMA", "0")
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "" and vals[i["tma_flags"]] == 0
+    # no driver (this machine): nothing is encoded, the kernel copies with cp.async
+    monkeypatch.delenv("ATTNJIT_TMA")
+    monkeypatch.setattr(tma, "encode", lambda a: None)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "" and vals[i["tma_flags"]] == 0
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kw,copies", [(dict(page_size=16), 16), (dict(kv="ragged", page_size=None), 16),
+                                       (dict(page_size=1), 2), (dict(page_size=16, group_size=5), 12)])
+def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies):
+    """UTMALDG (cp.async.bulk.tensor) in the SASS: Q's two 64-column boxes and each K/V copy site's, per kernel of
+    the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V only)."""
+    spec = _spec(**kw)
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
+    assert len(re.findall(r"\bUTMALDG\b", sass)) == copies
+    assert "static_assert(sizeof(AttentionParams)" in render(spec).source

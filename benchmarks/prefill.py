@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import os
+
 import torch
 
 import attnjit
@@ -93,21 +95,31 @@ def _flashinfer(fi, ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan
     return lambda out: w.run(q, kv, out=out)
 
 
-def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True, families=("auto", "fa2"),
-               fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
+def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
+               families=("auto", "auto-notma", "fa2"), fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
     """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran. ``fi_skip``:
     FlashInfer modules not to run ("fa3:64": its fa3 module at head_dim 64; each costs minutes of JIT on the GPU
-    machine when its cache was not carried)."""
+    machine when its cache was not carried). "auto-notma": the default family with ATTNJIT_TMA=0 (its sm90 kernels
+    copy with cp.async only: the A/B of the TMA copies, same kernels, same process)."""
     for i, row in enumerate(rows):
         q, qo_indptr, kv, tables = _inputs(row, seed=1 + i)
         r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
         ref = None
         for backend in families:
-            name = "attnjit" if backend == "auto" else f"attnjit_{backend.replace('@', '_')}"
-            w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, backend)
-            out = torch.empty_like(q)
-            r[f"{name}_ms"] = time_ms(lambda: run(out))
-            r[f"{name}_plan"] = w.last_plan
+            notma = backend == "auto-notma"
+            name = "attnjit" if backend == "auto" else "attnjit_notma" if notma else \
+                f"attnjit_{backend.replace('@', '_')}"
+            saved = os.environ.get("ATTNJIT_TMA")
+            if notma:
+                os.environ["ATTNJIT_TMA"] = "0"
+            try:
+                w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if notma else backend)
+                out = torch.empty_like(q)
+                r[f"{name}_ms"] = time_ms(lambda: run(out))
+                r[f"{name}_plan"] = w.last_plan
+            finally:
+                if notma:
+                    os.environ.pop("ATTNJIT_TMA") if saved is None else os.environ.__setitem__("ATTNJIT_TMA", saved)
             if ref is None:
                 ref = out.float()
             else:
@@ -184,7 +196,8 @@ def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), 
 
 
 def table(rows, ceiling: float) -> str:
-    impls = [("attnjit", "attnjit"), ("attnjit_fa2", "attnjit fa2"), ("flashinfer_fa2", "FI fa2"),
+    impls = [("attnjit", "attnjit"), ("attnjit_notma", "attnjit no TMA"), ("attnjit_fa2", "attnjit fa2"),
+             ("flashinfer_fa2", "FI fa2"),
              ("flashinfer_fa3", "FI fa3"), ("sdpa_cudnn", "cuDNN")]
     head = "| row | shape | " + " | ".join(n for _, n in impls) + " | attnjit / FI fa3 | attnjit / cuDNN | of ceiling |"
     lines = [head, "|" + "---|" * (len(impls) + 5)]

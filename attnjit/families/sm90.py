@@ -1,7 +1,7 @@
 """The sm90 kernel family: wgmma + warp specialization (sm_90a), FlashAttention-3's shape, for prefill.
 
-One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared memory with cp.async, completing on
-mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
+One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared memory with the TMA unit where a
+tile is whole boxes (``attnjit/tma.py``, ``sm90/tma.cuh``), else with cp.async, completing on mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
 tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent. The tile
 configuration ``q192kv64`` has three consumers (192-row items, 64-token K/V tiles; head_dim 64 and 128 over a
 16-bit cache), taking turns at the tensor cores in a ring. ``kv160`` and ``kv176q1`` have wider K/V tiles; the

@@ -75,6 +75,8 @@ def kv_args(ptr: int, dtype: str, *, paged: bool, hnd: bool, rows: int, page_siz
             stride0: int, stride1: int, box_rows: int) -> MapArgs | str:
     """k or v: rows = pages (paged) or tokens (ragged); stride0 / stride1 as the kernel's kv_stride_0 / _1."""
     code = _DTYPE[2][dtype]
+    if not paged and rows >= 2 ** 31:  # the kernel's token coordinate is an int32
+        return f"{rows} ragged tokens: past the TMA coordinate's int32"
     if not paged:  # [tokens][H][D]: stride0 the token stride, stride1 the head stride
         return describe(code, 2, ptr, (head_dim, heads, rows), (stride1, stride0), (64, 1, box_rows), _L2_256B)
     if hnd:        # [pages][H][page][D]: slots D apart, heads stride1

@@ -47,6 +47,9 @@ def test_kv_args_follow_the_cache_layouts():
     ragged = tma.kv_args(0x2000, "bf16", paged=False, hnd=False, rows=5000, page_size=0, heads=8, head_dim=128,
                          stride0=8 * 128, stride1=128, box_rows=128)
     assert ragged.dims == (128, 8, 5000) and ragged.box == (64, 1, 128)
+    huge = tma.kv_args(0x2000, "bf16", paged=False, hnd=False, rows=2 ** 31, page_size=0, heads=1, head_dim=128,
+                       stride0=128, stride1=128, box_rows=128)
+    assert "int32" in huge  # the kernel's token coordinate: such a cache is copied by cp.async (int64 offsets)
 
 
 def test_q_args_box_packs_a_group_of_heads_per_token():

@@ -93,8 +93,8 @@ def test_the_sm90_struct_ends_with_aligned_descriptors_and_fa2_has_none():
 class _Q:
     shape, dtype = (300, 32, 128), torch.bfloat16
 
-    def stride(self, i):
-        return (32 * 128, 128, 1)[i]
+    def stride(self, i=None):
+        return (32 * 128, 128, 1) if i is None else (32 * 128, 128, 1)[i]
 
     def data_ptr(self):
         return 0x10000
@@ -117,10 +117,16 @@ def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
     assert vals[i["tma_flags"]] == tma.FLAG_Q and vals[i["tma_k"]] == bytes(128)
     monkeypatch.setenv("ATTNJIT_TMA", "0")
     assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "" and vals[i["tma_flags"]] == 0
-    # no driver (this machine): nothing is encoded, the kernel copies with cp.async
+    # the same tensors again: the memo's answer, no new description or encoding
     monkeypatch.delenv("ATTNJIT_TMA")
+    n = len(seen)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "q+kv" and len(seen) == n
+    assert vals[i["tma_k"]] == bytes([2]) * 128 and vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV
+    # no driver (this machine): nothing is encoded, the kernel copies with cp.async
     monkeypatch.setattr(tma, "encode", lambda a: None)
-    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "" and vals[i["tma_flags"]] == 0
+    fresh = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False, slots=copies.slots)
+    assert fresh.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "" and vals[i["tma_flags"]] == 0
+    assert vals[i["tma_q"]] == bytes(128)
 
 
 @pytest.mark.nvcc

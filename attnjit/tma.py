@@ -28,7 +28,7 @@ from . import knobs
 FLAG_KV, FLAG_Q = 1, 2   # tma_flags bits (sm90/tma.cuh kTmaKV, kTmaQ)
 MAP_BYTES = 128
 _NONE = bytes(MAP_BYTES)
-_DTYPE = {2: {"bf16": 9, "fp16": 6}}            # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / FLOAT16
+_DTYPE = {"bf16": 9, "fp16": 6}                 # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / FLOAT16
 _SWIZZLE_128B, _L2_128B, _L2_256B = 3, 2, 3      # CUtensorMapSwizzle, CUtensorMapL2promotion
 
 
@@ -67,14 +67,14 @@ def describe(dtype: int, elem: int, address: int, dims: tuple[int, ...], strides
 
 def q_args(q, dtype: str, group: int, cta_q: int) -> MapArgs | str:
     n, h, d = q.shape
-    return describe(_DTYPE[2][dtype], 2, q.data_ptr(), (d, h, n), (q.stride(1), q.stride(0)),
+    return describe(_DTYPE[dtype], 2, q.data_ptr(), (d, h, n), (q.stride(1), q.stride(0)),
                     (64, group, cta_q // group))
 
 
 def kv_args(ptr: int, dtype: str, *, paged: bool, hnd: bool, rows: int, page_size: int, heads: int, head_dim: int,
             stride0: int, stride1: int, box_rows: int) -> MapArgs | str:
     """k or v: rows = pages (paged) or tokens (ragged); stride0 / stride1 as the kernel's kv_stride_0 / _1."""
-    code = _DTYPE[2][dtype]
+    code = _DTYPE[dtype]
     if not paged and rows >= 2 ** 31:  # the kernel's token coordinate is an int32
         return f"{rows} ragged tokens: past the TMA coordinate's int32"
     if not paged:  # [tokens][H][D]: stride0 the token stride, stride1 the head stride
@@ -153,24 +153,20 @@ class Copies:
     def _fill(self, q, k_ptr: int, v_ptr: int, on: bool, *, rows: int, page_size: int, heads: int, head_dim: int,
               stride0: int, stride1: int) -> tuple:
         """(flags, q, k and v descriptors, what is copied by TMA) for these tensors."""
-        flags, used = 0, []
-        f, sq, sk, sv = range(4)
-        vals = [0, _NONE, _NONE, _NONE]
-        if on:
-            if self.q_box is not None:
-                args = q_args(q, self.dtype, *self.q_box)
-                desc = encode(args) if isinstance(args, MapArgs) else None
-                if desc is not None:
-                    vals[sq], flags = desc, flags | FLAG_Q
-                    used.append("q")
-            if self.kv_rows:
-                kw: dict[str, Any] = dict(paged=self.paged, hnd=self.hnd, rows=rows, page_size=page_size, heads=heads,
-                                          head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows)
-                ka, va = kv_args(k_ptr, self.dtype, **kw), kv_args(v_ptr, self.dtype, **kw)
-                kd = encode(ka) if isinstance(ka, MapArgs) else None
-                vd = encode(va) if isinstance(va, MapArgs) and kd is not None else None
-                if kd is not None and vd is not None:
-                    vals[sk], vals[sv], flags = kd, vd, flags | FLAG_KV
-                    used.append("kv")
-        vals[f] = flags
-        return (*vals, "+".join(used))
+        qd = kd = vd = None
+        if on and self.q_box is not None:
+            qd = _encoded(q_args(q, self.dtype, *self.q_box))
+        if on and self.kv_rows:
+            kw: dict[str, Any] = dict(paged=self.paged, hnd=self.hnd, rows=rows, page_size=page_size, heads=heads,
+                                      head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows)
+            kd, vd = _encoded(kv_args(k_ptr, self.dtype, **kw)), _encoded(kv_args(v_ptr, self.dtype, **kw))
+            if kd is None or vd is None:  # k and v share one flag: both by TMA or neither
+                kd = vd = None
+        flags = (FLAG_Q if qd else 0) | (FLAG_KV if kd else 0)
+        used = "+".join(n for n, d in (("q", qd), ("kv", kd)) if d)
+        return flags, qd or _NONE, kd or _NONE, vd or _NONE, used
+
+
+def _encoded(args: MapArgs | str) -> bytes | None:
+    """The descriptor of a tensor TMA can read (describe's MapArgs), else None."""
+    return encode(args) if isinstance(args, MapArgs) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import os
+from unittest import mock
 
 import torch
 
@@ -109,17 +110,11 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
             notma = backend == "auto-notma"
             name = "attnjit" if backend == "auto" else "attnjit_notma" if notma else \
                 f"attnjit_{backend.replace('@', '_')}"
-            saved = os.environ.get("ATTNJIT_TMA")
-            if notma:
-                os.environ["ATTNJIT_TMA"] = "0"
-            try:
+            with mock.patch.dict(os.environ, {"ATTNJIT_TMA": "0"} if notma else {}):
                 w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if notma else backend)
                 out = torch.empty_like(q)
                 r[f"{name}_ms"] = time_ms(lambda: run(out))
                 r[f"{name}_plan"] = w.last_plan
-            finally:
-                if notma:
-                    os.environ.pop("ATTNJIT_TMA") if saved is None else os.environ.__setitem__("ATTNJIT_TMA", saved)
             if ref is None:
                 ref = out.float()
             else:

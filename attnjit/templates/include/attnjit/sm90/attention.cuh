@@ -3,7 +3,8 @@
 //
 // The work item, its masks and output rows (attnjit/work.cuh), the Q/K/V copies (attnjit/kv_load.cuh) and the
 // split-KV merge (attnjit/split.cuh) are the shared ones; this header holds the sm90 roles:
-//   * producer warpgroup (128 threads, few registers): per work item, Q by cp.async into one of Q_STAGES tiles (the
+//   * producer warpgroup (128 threads, few registers): per work item, Q (by TMA or cp.async, sm90/producer.cuh)
+//     into one of Q_STAGES tiles (the
 //     next item's Q loads while the consumers finish this one), then the item's
 //     K and V tiles into two rings of NUM_STAGES stages (order K0, K1, V0, K2, V1, ...: the order the consumers use
 //     them), page ids one tile ahead in registers. Each copy batch completes on an mbarrier

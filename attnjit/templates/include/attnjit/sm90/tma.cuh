@@ -1,5 +1,6 @@
 // attnjit/sm90/tma.cuh: the sm90 producer's TMA copies (cp.async.bulk.tensor): Q tiles, and K/V tiles where a
-// tile is whole boxes of contiguous rows (a ragged cache, or pages of 8k tokens that nest with the tile).
+// tile is whole boxes of contiguous rows (a ragged cache, or pages of a multiple of 16 tokens that nest with
+// the tile).
 //
 // The host encodes one CUtensorMap per tensor (attnjit/tma.py, the driver's cuTensorMapEncodeTiled) into the
 // kernel's parameter struct (a __grid_constant__, so the descriptors' addresses are valid for the copies) and sets
@@ -45,7 +46,7 @@ __host__ __device__ constexpr int tma_rows() {  // rows (tokens) of one K/V box
 }
 template <typename Tr>
 __host__ __device__ constexpr bool tma_kv() {
-  // paged: the copy passes' page ids (RegPageIds) name each box's page, so pages nest with passes and the tile
+  // paged: pages nest with the tile and the cp.async loader's passes (its fallback tiles read pass page ids)
   return !Tr::FP8_KV && tma_rows<Tr>() % 8 == 0 && (!Tr::PAGED || pass_in_page<Tr>());
 }
 

@@ -98,7 +98,7 @@ PARAMS: dict[str, ParamLayout] = {
         tmp_lse: ptr: [slots, H_q] f32 partial lse of split requests
         kv_indices: ptr: [*] i32 page ids in logical order (paged)
         work: ptr: [W][12] i32 work records (see AttentionCTA::setup)
-        work_count: ptr: [1] i32 number of work records (0: the grid is exactly records x heads)
+        work_count: ptr: [4] i32 number of work records (0: the grid is exactly records x heads), then zeros (sm90: claims)
         merge_counters: ptr: [groups][H_kv] i32 split-group tickets, zero between runs
         q_stride_n: i64: q token stride (elements)
         q_stride_h: i64: q head stride

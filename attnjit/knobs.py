@@ -151,9 +151,14 @@ TMA: Knob[bool] = Knob(
     "1 (default): sm90 kernels copy q and the KV cache with the TMA unit where the tensors allow (attnjit/tma.py); "
     "0: with cp.async only (the same kernels and results)")
 
+WORK_CLAIMS: Knob[bool] = Knob(
+    "ATTNJIT_WORK_CLAIMS", True, _bool,
+    "1 (default): the CTAs of a persistent (sm90) kernel claim work items from a counter in the plan's metadata "
+    "(longest first, so the balance of LPT); 0: each walks the list by grid stride (the same results); read by plan()")
+
 PACKAGES: Knob[bool] = Knob(
     "ATTNJIT_PACKAGES", True, _bool,
     "1 (default): also search the layers of installed kernel packages (attnjit pack wheels); 0: ignore them")
 
 ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, PACKAGES, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE,
-                         JOBS, NUM_SMS, NATIVE, TMA)
+                         JOBS, NUM_SMS, NATIVE, TMA, WORK_CLAIMS)

@@ -75,7 +75,7 @@ _ITEM_EPI = "      epilogue();\n"
 
 
 _EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      constexpr int CHUNKS = D / 8;\n"
-_ITEM_TOP = "    for_each_item(p, [&](int w, int head) {\n      it.kv_head = head;\n"
+_ITEM_TOP = "    consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed\n"
 
 
 def _stamp_items(src: str, item_base: int) -> str:

@@ -30,9 +30,11 @@ if TYPE_CHECKING:
 NAME = "sm90"
 TEMPLATE = "sm90/attention.cu.jinja"
 PERSISTENT = True   # one CTA per SM walks the work list (the grid is min(work, SMs))
-# The family's own kernel parameters, after the shared ones (generator.attention_layout): the TMA descriptors of
-# q, k and v (attnjit/tma.py encodes them per run(); sm90/tma.cuh reads them) and which of them this run may use.
+# The family's own kernel parameters, after the shared ones (generator.attention_layout): how CTAs take work items
+# (plan() sets it from ATTNJIT_WORK_CLAIMS), the TMA descriptors of q, k and v (attnjit/tma.py encodes them per
+# run(); sm90/tma.cuh reads them) and which of them this run may use.
 PARAM_FIELDS = """
+    work_claims: i64: 1: CTAs claim work items from the counter at work_count[1]; 0: grid stride (sm90/producer.cuh)
     tma_flags: i64: TMA descriptors valid this run: 1 k and v, 2 q (attnjit/tma.py)
     tma_q: tmap: q's CUtensorMap, box {64, GROUP, CTA_Q / GROUP}
     tma_k: tmap: k's CUtensorMap, box {64, TMA_ROWS tokens of one head}
@@ -97,7 +99,8 @@ class Tile:
         kv = self.cta_kv * self.head_dim * 2
         barriers = 2 * self.q_stages + 4 * self.stages
         qinv = 4 * self.cta_q if self.q_to_half else 0
-        return self.q_stages * q + 2 * self.stages * kv + qinv + barriers * 8 + 1024
+        pairs = 4 * (self.q_stages + 1)  # the work order's slots (sm90/producer.cuh)
+        return self.q_stages * q + 2 * self.stages * kv + qinv + barriers * 8 + pairs + 1024
 
     @property
     def name(self) -> str:

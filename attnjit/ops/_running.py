@@ -51,10 +51,12 @@ class Plan:
     merge_table: Any = None         # a deferred-merge plan: its work.merge_table on the device (merge_partials)
     tma: Any = None                 # tma.Copies: what the kernel may copy by TMA (sm90), or None
     tma_used: str = ""              # what the last launch copied by TMA ("q+kv", "q", "kv", "")
+    claims: int | None = None       # sm90: 1 CTAs claim work items, 0 grid stride (ATTNJIT_WORK_CLAIMS); else None
 
     def decision(self) -> dict:
         tma = {"tma": self.tma_used} if self.tma is not None else {}
-        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra, **tma}
+        order = {"work_order": "claimed" if self.claims else "strided"} if self.claims is not None else {}
+        return {"family": self.spec.family, **self.work.decision(self.num_kv_heads), **self.extra, **tma, **order}
 
 
 def vector_ready(t: torch.Tensor) -> bool:

@@ -43,6 +43,7 @@ class _Prepared:
     variant_slots: list       # (name, struct index, kind) of the run()-time variant parameters
     extra: dict               # the wrapper's own decisions for the record
     tma: Any = None           # tma.Copies of the kernel (sm90), or None
+    claims_slot: int | None = None  # the struct index of work_claims (sm90), or None
 
 
 _A = PARAMS["attention"].index  # the fields each plan fills, at their PARAMS["attention"] positions
@@ -386,7 +387,7 @@ class _AttentionWrapper(FlashInferAliases):
                          persistent=persistent, count=self._use_cuda_graph or persistent,
                          bound_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.bound],
                          variant_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required],
-                         extra=self._decision_extra(), tma=tma)
+                         extra=self._decision_extra(), tma=tma, claims_slot=layout.index.get("work_claims"))
 
     def _fill_launch(self, plan: Plan, prep: _Prepared, ptr: dict[str, int]) -> None:
         """The plan's parameter struct (the key's, with this plan's pointers and variant values) and grid."""
@@ -404,6 +405,8 @@ class _AttentionWrapper(FlashInferAliases):
         vals = prep.values.copy()
         vals[_KVI], vals[_WORK], vals[_MC] = ptr.get("kv_indices", 0), ptr["work"], ptr["merge_counters"]
         vals[_WC] = ptr["work_count"] if prep.count else 0  # 0: the grid is the list
+        if prep.claims_slot is not None:   # sm90: CTAs claim items from work_count[1] (sm90/producer.cuh)
+            vals[prep.claims_slot] = plan.claims = int(knobs.WORK_CLAIMS.get())
         if prep.bound_slots:
             binding = plan.binding
             for name, index, kind in prep.bound_slots:

@@ -100,6 +100,7 @@ def test_matches_reference(case: Case, family: str, workspace):
     decision = w.last_plan
     if family == "sm90":  # what the run copied by TMA: all it can (these tensors are contiguous and aligned)
         assert decision["tma"] == _expected_tma(w._plan), decision
+        assert decision["work_order"] == "claimed", decision  # ATTNJIT_WORK_CLAIMS's default
     if case.split == "force" and max(case.kv_lens) > 128:
         assert decision["split_kv"], decision
     if case.split == "off":

@@ -14,7 +14,8 @@
 //     softmax of tile j runs while the tensor cores compute P(j-1) V(j-1); between the warpgroups one named barrier
 //     each hands the tensor cores on round a ring (ping-pong for two), so one's softmax hides under the others'
 //     GEMMs.
-//   * a persistent grid: every CTA walks the plan's work list with stride gridDim.x (work_count items).
+//   * a persistent grid: every CTA takes the plan's work items in list order, claiming each from a counter (or by
+//     stride gridDim.x; the work order, sm90/producer.cuh).
 // Math as in fa2 (base-2 online softmax, lse = m + log2 d, a row with no visible key gives o = 0, lse = -inf; a
 // sink starts the softmax, attnjit/work.cuh).
 #pragma once
@@ -361,18 +362,17 @@ struct Consumer {
 
   __device__ __forceinline__ void run(const P& p) {
     Ring<Tr::NUM_STAGES> kr, vr;
-    Ring<Tr::Q_STAGES> qr;
     const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
+    const int heads = static_cast<int>(p.num_kv_heads);
     if (wg == Tr::CONSUMERS - 1) pass_turn();  // the first consumer takes the first turn
-    for_each_item(p, [&](int w, int head) {
+    consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed
+      const int head = i % heads;
       it.kv_head = head;
+      it.setup(i / heads);
       // what steers the loops, broadcast from lane 0 (the values are the same in every lane): the compiler then
       // knows the ring positions are warp-uniform and keeps the wgmma descriptors in uniform registers
-      if (!__shfl_sync(0xffffffffu, it.setup(w), 0)) return;
       it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);
-      qstage = qr.stage;
-      mbar_wait(sm.q_full(qstage), qr.phase);
-      qr.advance();
+      qstage = stage;
       fence_proxy_async();
       if constexpr (V::HAS_QUERY_TRANSFORM) {
         transform_q_tile<Tr>(it, sm.q(qstage), ctid, Tr::CONSUMER_THREADS);
@@ -423,7 +423,7 @@ __device__ __forceinline__ void attention_body(const P& p) {
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < Tr::Q_STAGES; ++s) {
-      mbar_init(sm.q_full(s), 128);
+      mbar_init(sm.q_full(s), 129);  // the producer's 128 threads and its thread 0's pair (sm90/producer.cuh)
       mbar_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
 #pragma unroll

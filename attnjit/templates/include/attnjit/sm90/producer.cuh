@@ -28,6 +28,9 @@ struct Smem {
   __device__ __forceinline__ uint64_t* k_empty(int s) const { return bar(KV_BAR + Tr::NUM_STAGES + s); }
   __device__ __forceinline__ uint64_t* v_full(int s) const { return bar(KV_BAR + 2 * Tr::NUM_STAGES + s); }
   __device__ __forceinline__ uint64_t* v_empty(int s) const { return bar(KV_BAR + 3 * Tr::NUM_STAGES + s); }
+  // the work order's slots (below): each Q stage's pair, and the producer's claim
+  __device__ __forceinline__ int* pair(int s) const { return reinterpret_cast<int*>(base + Tr::PAIR_OFF) + s; }
+  __device__ __forceinline__ int* claim() const { return reinterpret_cast<int*>(base + Tr::PAIR_OFF) + Tr::Q_STAGES; }
 };
 
 // A position in a ring of S stages: the stage and the parity of its current use.
@@ -43,13 +46,78 @@ struct Ring {
   }
 };
 
-// The work both roles walk, in the same order: (item, kv head) pairs, item-major, strided by the grid. The item
-// count is read again per item (an L1 hit) rather than held: at head_dim 256 the producer has 24 (fp8: 32).
-template <typename P, typename F>
-__device__ __forceinline__ void for_each_item(const P& p, F&& f) {
-  const int heads = static_cast<int>(p.num_kv_heads);
-  for (int i = blockIdx.x; i < *reinterpret_cast<const int32_t*>(p.work_count) * heads; i += gridDim.x)
-    f(i / heads, i % heads);
+// ---- the work order ---------------------------------------------------------------------------------------------
+// Both roles walk the same (item, kv head) pairs of the plan's list, item-major: pair i is item i / heads, head
+// i % heads. CTA c's first pair is c; with p.work_claims each later one is claimed from the counter at
+// work_count[1] by the producer's thread 0 (its atomicAdd issued as the pair before starts, so its latency hides
+// under that pair's copies). The list is longest first, so claiming is LPT; a fixed stride (c, c + grid, ...,
+// p.work_claims == 0) gives CTA 0 the longest pair of every round of the grid: up to 6% above the mean work at
+// causal 1 x 8192 (RESULTS.md, run 94). The producer hands each pair it copies to the consumers in its Q stage's
+// slot (written before a release arrival on the stage's q_full, whose count includes it) and -1 after the last; the
+// last CTA to finish (work_count[2] counts them) zeroes both counters for the next run (graph replays included).
+template <typename P>
+__device__ __forceinline__ int pair_count(const P& p) {
+  return *reinterpret_cast<const int32_t*>(p.work_count) * static_cast<int>(p.num_kv_heads);
+}
+
+template <typename Tr, typename P, typename F>
+__device__ __forceinline__ void producer_pairs(const P& p, const Smem<Tr>& sm, unsigned tid, F&& f) {
+  // (the counters' address, the mode and the count are read from the parameters where used: registers are short
+  // here, and the next pair lives in one only until f stashes it, after its Q copy and before its tile loop)
+  int i = static_cast<int>(blockIdx.x);
+  while (i < pair_count(p)) {
+    int next = 0;
+    if (tid == 0)
+      next = static_cast<int>(gridDim.x) +
+             (p.work_claims ? atomicAdd(reinterpret_cast<int32_t*>(p.work_count) + 1, 1) : i);
+    bool stashed = false;
+    const auto stash = [&] {
+      if (tid == 0) *sm.claim() = next;
+      stashed = true;
+    };
+    f(i, stash);  // f calls stash() once (where the pair is skipped, it may not)
+    if (!stashed) stash();
+    named_sync(Tr::BAR_PRODUCER, 128);  // the slot's write is visible
+    i = *sm.claim();
+    named_sync(Tr::BAR_PRODUCER, 128);  // every thread has read it: the next pair's stash may write it again
+  }
+  if (p.work_claims && tid == 0) {
+    int32_t* const counters = reinterpret_cast<int32_t*>(p.work_count) + 1;  // work_count[1], [2]
+    __threadfence();  // this CTA's claims, before its finish
+    if (atomicAdd(counters + 1, 1) == static_cast<int>(gridDim.x) - 1) {  // every CTA has claimed its last
+      atomicExch(counters, 0);
+      atomicExch(counters + 1, 0);
+    }
+  }
+}
+
+// The producer's thread 0: pair i (or -1: the end) into Q stage `stage`'s slot, and its arrival on q_full.
+template <typename Tr>
+__device__ __forceinline__ void publish_pair(const Smem<Tr>& sm, int stage, int i) {
+  *sm.pair(stage) = i;
+  mbar_arrive(sm.q_full(stage));  // a release: the slot's write is visible to every consumer past the wait
+}
+
+// After the producer's last pair: the end, once the consumers are done with that Q stage (all 128 threads).
+template <typename Tr>
+__device__ __forceinline__ void publish_end(const Smem<Tr>& sm, const Ring<Tr::Q_STAGES>& qr, unsigned tid) {
+  mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);
+  if (tid == 0) publish_pair(sm, qr.stage, -1);
+  mbar_arrive(sm.q_full(qr.stage));
+}
+
+// The consumers' side: the pairs the producer published, each with its Q stage, until the end.
+template <typename Tr, typename F>
+__device__ __forceinline__ void consumer_pairs(const Smem<Tr>& sm, F&& f) {
+  Ring<Tr::Q_STAGES> qr;
+  for (;;) {
+    mbar_wait(sm.q_full(qr.stage), qr.phase);
+    // from lane 0 (the value is every lane's): the compiler then knows it is warp-uniform
+    const int i = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(sm.pair(qr.stage)), 0);
+    if (i < 0) return;
+    f(i, qr.stage);
+    qr.advance();
+  }
 }
 
 // ---- producer ---------------------------------------------------------------------------------------------------
@@ -103,10 +171,12 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
       tma_prefetch(&p.tma_v);
     }
   }
-  for_each_item(p, [&](int w, int head) {
-    it.kv_head = head;
-    if (!it.setup(w)) return;
+  producer_pairs<Tr>(p, sm, tid, [&](int i, auto&& stash) {
+    const int heads = static_cast<int>(p.num_kv_heads);  // (from the parameters: registers are short here)
+    it.kv_head = i % heads;
+    if (!it.setup(i / heads)) return;
     mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);  // the consumers are done with that Q tile (and its O staging)
+    if (tid == 0) publish_pair(sm, qr.stage, i);
     if (TMA_Q && (p.tma_flags & kTmaQ)) {
       if (tid == 0) tma_q_tile<Tr>(it, &p.tma_q, smem_u32(sm.q(qr.stage)), sm.q_full(qr.stage));
       else mbar_arrive(sm.q_full(qr.stage));
@@ -115,6 +185,7 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
       mbar_arrive_cp_async(sm.q_full(qr.stage));
     }
     qr.advance();
+    stash();
     TilePageIds<Tr, Item> ids;
     if (it.num_tiles > 0) ids.fetch(it, 0, tid);
     for (int t = 0; t < it.num_tiles; ++t) {
@@ -136,6 +207,7 @@ __device__ __forceinline__ void produce(const P& p, const Smem<Tr>& sm) {
       vr.advance();
     }
   });
+  publish_end(sm, qr, tid);
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
@@ -289,18 +361,21 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
   Fp8Stager<Tr> st{sm, tid};
   Ring<Tr::Q_STAGES> qr;
   int item_units = Fp8Stager<Tr>::LAG;  // units the last item issued (a first item has none pending)
-  for_each_item(p, [&](int w, int head) {
-    it.kv_head = head;
-    if (!it.setup(w)) return;
+  producer_pairs<Tr>(p, sm, tid, [&](int i, auto&& stash) {
+    const int heads = static_cast<int>(p.num_kv_heads);  // (from the parameters: registers are short here)
+    it.kv_head = i % heads;
+    if (!it.setup(i / heads)) return;
     // The Q stage frees when the consumers finish item i + 1 - Q_STAGES; they need its units converted. With two
     // Q stages that holds if the pending units are the last item's own (it issued at least as many); else, and
     // with one Q stage, convert them all first.
     if (Tr::Q_STAGES == 1 || item_units < st.pending) st.flush();
     item_units = 0;
     mbar_wait(sm.q_empty(qr.stage), qr.phase ^ 1);
+    if (tid == 0) publish_pair(sm, qr.stage, i);
     gather_q<Tr>(it, smem_u32(sm.q(qr.stage)), tid);  // joins the next unit's cp.async group
     mbar_arrive_cp_async(sm.q_full(qr.stage));
     qr.advance();
+    stash();
     RegPageIds<Tr::KV_PASSES> next, cur, prev;
     if (it.num_tiles > 0) load_page_ids<Tr>(it, 0, next, tid);
     for (int t = 0; t < it.num_tiles; ++t) {
@@ -318,7 +393,8 @@ __device__ __forceinline__ void produce_fp8(const P& p, const Smem<Tr>& sm) {
     }
     item_units = 2 * it.num_tiles;
   });
-  st.flush();
+  st.flush();  // the last pair's units, before the end (the consumers need them to release its Q stage)
+  publish_end(sm, qr, tid);
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 

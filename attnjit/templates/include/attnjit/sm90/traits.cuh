@@ -47,10 +47,13 @@ struct Sm90Traits {
   // (head_dim 256 over fp8: the producer's ring counters and in-place conversion need 32)
   // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
   // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40.
+  // Head_dim 64 with K/V tiles of 128 or fewer: O and S take 96 registers, so the consumers give 8 to the producer
+  // (its loop-invariant copy addresses and page ids; the work order's claim, sm90/producer.cuh, tipped page 1 over).
+  static constexpr bool SMALL_D = HEAD_DIM_ <= 64 && CTA_KV_ <= 128;
   static constexpr int PRODUCER_REGS =
-      CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : CTA_KV_ > 128 ? 40 : 56;
+      CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : CTA_KV_ > 128 ? 40 : SMALL_D ? 64 : 56;
   static constexpr int CONSUMER_REGS =
-      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : CTA_KV_ > 128 ? 232 : 224;
+      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : CTA_KV_ > 128 ? 232 : SMALL_D ? 216 : 224;
   static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
@@ -72,14 +75,18 @@ struct Sm90Traits {
   static constexpr int BAR_OFF = QINV_OFF + (Q_TO_HALF ? CTA_Q * 4 : 0);
   // barriers: q_full, q_empty per Q stage, then k_full, k_empty, v_full, v_empty per KV stage
   static constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * NUM_STAGES;
-  static constexpr int SMEM_BYTES = BAR_OFF + NUM_BARRIERS * 8 + 1024;  // + the slack that aligns the base
+  // then the work order's slots (sm90/producer.cuh): one pair per Q stage, the producer's claim
+  static constexpr int PAIR_OFF = BAR_OFF + NUM_BARRIERS * 8;
+  static constexpr int SMEM_BYTES = PAIR_OFF + (Q_STAGES + 1) * 4 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
   static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
   static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
   // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its
-  // epilogue (and, fp8, its Q rows' conversion). (The fp8 producer's warps convert independently: none.)
-  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS;
+  // epilogue (and, fp8, its Q rows' conversion); the producer's claim of its next pair (the fp8 producer's warps
+  // convert independently).
+  static constexpr int BAR_CONSUMERS = 1, BAR_TURN = 2, BAR_EPILOGUE = 2 + CONSUMERS,
+                       BAR_PRODUCER = 2 + 2 * CONSUMERS;
 
   static_assert(HEAD_DIM % 64 == 0, "sm90 tiles are whole 64-column (128-byte) swizzle blocks");
   static_assert(CTA_KV % 16 == 0 && CTA_KV >= 16 && CTA_KV <= 256, "a kv tile is wgmma N (S) and K slices (PV)");
@@ -89,7 +96,7 @@ struct Sm90Traits {
   static_assert(Q_STAGES >= 1, "at least one Q tile");
   static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && HEAD_DIM <= 128 && !FP8_KV && CTA_KV <= 64),
                 "three consumers: head_dim 64 or 128, a 16-bit cache, 64-token K/V tiles (their registers: 160 each)");
-  static_assert(BAR_EPILOGUE + CONSUMERS <= 16, "named barriers 1..15");
+  static_assert(BAR_PRODUCER <= 15, "named barriers 1..15");
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(sizeof(TKV_) == 2 ? std::is_same<TKV_, T_>::value : FP8_KV, "the cache holds q's type or fp8");

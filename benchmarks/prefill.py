@@ -97,21 +97,22 @@ def _flashinfer(fi, ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan
 
 
 def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
-               families=("auto", "auto-notma", "fa2"), fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
+               families=("auto", "auto-strided", "fa2"), fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
     """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran. ``fi_skip``:
     FlashInfer modules not to run ("fa3:64": its fa3 module at head_dim 64; each costs minutes of JIT on the GPU
-    machine when its cache was not carried). "auto-notma": the default family with ATTNJIT_TMA=0 (its sm90 kernels
-    copy with cp.async only: the A/B of the TMA copies, same kernels, same process)."""
+    machine when its cache was not carried). The A/B columns (AB: the same default module and process under a
+    setting): "auto-notma" with ATTNJIT_TMA=0 (cp.async copies only), "auto-strided" with ATTNJIT_WORK_CLAIMS=0
+    (each CTA walks the work list by grid stride instead of claiming items)."""
     for i, row in enumerate(rows):
         q, qo_indptr, kv, tables = _inputs(row, seed=1 + i)
         r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
         ref = None
         for backend in families:
-            notma = backend == "auto-notma"
-            name = "attnjit" if backend == "auto" else "attnjit_notma" if notma else \
-                f"attnjit_{backend.replace('@', '_')}"
-            with mock.patch.dict(os.environ, {"ATTNJIT_TMA": "0"} if notma else {}):
-                w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if notma else backend)
+            name, env = AB.get(backend, (f"attnjit_{backend.replace('@', '_')}", {}))
+            if backend == "auto":
+                name = "attnjit"
+            with mock.patch.dict(os.environ, env):
+                w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if backend in AB else backend)
                 out = torch.empty_like(q)
                 r[f"{name}_ms"] = time_ms(lambda: run(out))
                 r[f"{name}_plan"] = w.last_plan
@@ -190,8 +191,15 @@ def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), 
         results.append(r)
 
 
+# the A/B columns: backend name -> (result name, environment), and their table labels
+AB = {"auto-notma": ("attnjit_notma", {"ATTNJIT_TMA": "0"}),
+      "auto-strided": ("attnjit_strided", {"ATTNJIT_WORK_CLAIMS": "0"})}
+AB_LABELS = (("attnjit_notma", "attnjit no TMA"), ("attnjit_strided", "attnjit strided"))
+
+
 def table(rows, ceiling: float) -> str:
-    impls = [("attnjit", "attnjit"), ("attnjit_notma", "attnjit no TMA"), ("attnjit_fa2", "attnjit fa2"),
+    impls = [("attnjit", "attnjit"), *((n, label) for n, label in AB_LABELS if any(f"{n}_ms" in r for r in rows)),
+             ("attnjit_fa2", "attnjit fa2"),
              ("flashinfer_fa2", "FI fa2"),
              ("flashinfer_fa3", "FI fa3"), ("sdpa_cudnn", "cuDNN")]
     head = "| row | shape | " + " | ".join(n for _, n in impls) + " | attnjit / FI fa3 | attnjit / cuDNN | of ceiling |"

@@ -13,7 +13,12 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
   key_transform(k)       -> float  each element of a key row once it is in shared memory (``kv_pos`` its position,
                                    ``k_pair`` its partner as above), stored back in the key's dtype; V is untouched
   logits_transform(logit) -> float  logit = sm_scale * q.k; the result goes into the softmax (or is the weight,
-                                   with use_softmax=False)
+                                   with use_softmax=False); logit == qk * sm_scale, ``qk`` the unscaled dot
+                                   product and ``sm_scale`` its row's scale (with an fp8 query's dequantization):
+                                   a snippet that scales the logit again (soft-cap) saves a multiply a logit by
+                                   folding the two scales, loop-invariant, into one; ``rel_pos`` is
+                                   float(kv_pos - q_pos) (exact while |kv_pos - q_pos| < 2^24), made with one add
+                                   a logit where the int conversion would cost a quarter-rate I2F each
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
@@ -51,7 +56,7 @@ _POSITIONS = ("q_pos", "kv_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv
 HOOK_VARIABLES: dict[str, tuple[str, ...]] = {
     "query_transform": ("q", "q_pair", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "key_transform": ("k", "k_pair", "dim", "kv_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
-    "logits_transform": ("logit",) + _POSITIONS,
+    "logits_transform": ("logit", "qk", "sm_scale", "q_pos", "kv_pos", "rel_pos") + _POSITIONS[2:],
     "logits_mask": _POSITIONS,
     "output_transform": ("o", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "kv_start": ("q_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
@@ -289,14 +294,14 @@ def resolve(text: str) -> Variant:
 # --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
 
 SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
-                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(logit * (1.f / logits_soft_cap));")
+                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(qk * (sm_scale / logits_soft_cap));")
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",
                          kv_start="return q_pos - window_left;")
 
 ALIBI = Variant("alibi", params={"alibi_slopes": TensorParam("float32", per="qo_head")},
-                logits_transform="return logit + alibi_slopes[qo_head] * float(kv_pos - q_pos);")
+                logits_transform="return logit + alibi_slopes[qo_head] * rel_pos;")
 
 CUSTOM_MASK = Variant(
     "custom_mask", params={"packed_custom_mask": TensorParam("uint8", per="any"),

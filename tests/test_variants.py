@@ -175,7 +175,7 @@ def test_a_broken_snippet_names_the_variant_the_hook_and_the_line(tmp_path, monk
     msg = info.value.first_error
     assert "variant 'broken', logits_transform line 2" in msg
     assert 'identifier "logitt" is undefined' in msg
-    assert "names logits_transform can use: logit, q_pos, kv_pos" in msg and "parameters: cap" in msg
+    assert "names logits_transform can use: logit, qk, sm_scale, q_pos, kv_pos, rel_pos" in msg and "parameters: cap" in msg
     assert info.value.log_path.exists()
 
 

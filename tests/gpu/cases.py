@@ -271,7 +271,8 @@ POS_PROBE_RUNS = (("prefill", "sm90"), ("prefill", "fa2"), ("decode", "fa2"))
 class VariantCase:
     name: str
     kind: str                   # paged | ragged | decode
-    feature: str                # softcap | window | alibi | custom_mask | sigmoid | user_sigmoid | head_scale | gains
+    feature: str                # softcap | window | alibi | custom_mask | sigmoid | user_sigmoid | head_scale |
+                                # scaled_softcap | gains
     causal: bool = True
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
@@ -280,13 +281,14 @@ class VariantCase:
     @property
     def variant(self):
         return {"sigmoid": builtin.SIGMOID, "user_sigmoid": USER_SIGMOID, "head_scale": HEAD_SCALE,
-                "gains": GAINS}.get(self.feature)
+                "scaled_softcap": HEAD_SCALE, "gains": GAINS}.get(self.feature)
 
     @property
     def builtin_variant(self):
         """The variant plan() composes from FlashInfer's arguments for this feature."""
         return {"softcap": builtin.SOFTCAP, "window": builtin.SLIDING_WINDOW, "alibi": builtin.ALIBI,
-                "custom_mask": builtin.CUSTOM_MASK}.get(self.feature) or self.variant
+                "custom_mask": builtin.CUSTOM_MASK,
+                "scaled_softcap": builtin.compose(HEAD_SCALE, builtin.SOFTCAP)}.get(self.feature) or self.variant
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -310,6 +312,9 @@ VARIANTS = [
     VariantCase("custom_mask-ragged", "ragged", "custom_mask", False),
     VariantCase("softcap-decode-fp16-split", "decode", "softcap", False, "force", torch.float16),
     VariantCase("window-decode-split", "decode", "window", False, "force"),
+    # a user logits transform before the soft-cap: the soft-cap, second in the chain, sees its result (not q.k)
+    VariantCase("scaled_softcap-paged", "paged", "scaled_softcap"),
+    VariantCase("scaled_softcap-decode", "decode", "scaled_softcap", False),
     # over an fp8 cache: each hook where the fp16 mma meets it (logits transform, query and output transforms, the
     # position-dependent bias, no softmax, masks)
     VariantCase("softcap-decode-fp8-e4m3", "decode", "softcap", False, kv="e4m3"),

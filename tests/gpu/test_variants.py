@@ -49,6 +49,8 @@ def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: t
         return Hooks(logits=lambda l, p: torch.sigmoid(l * SIG_SCALE + SIG_BIAS), use_softmax=False)
     if f == "head_scale":
         return Hooks(logits=lambda l, p: l * head_scale.double()[:, None, None])
+    if f == "scaled_softcap":
+        return Hooks(logits=lambda l, p: CAP * torch.tanh(l * head_scale.double()[:, None, None] / CAP))
     if f == "gains":  # the transformed query is stored in the query's dtype (documented), as the kernel does
         return Hooks(query=lambda q, p: (q * Q_GAIN).to(case.dtype).double(), output=lambda o, p: o * O_GAIN)
     raise AssertionError(f)
@@ -57,12 +59,13 @@ def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: t
 def run_params(case: VariantCase, head_scale: torch.Tensor | None) -> dict:
     return {"sigmoid": dict(sigmoid_scale=SIG_SCALE, sigmoid_bias=SIG_BIAS),
             "user_sigmoid": dict(scale=SIG_SCALE, bias=SIG_BIAS),
-            "head_scale": dict(head_scale=head_scale),
+            "head_scale": dict(head_scale=head_scale), "scaled_softcap": dict(head_scale=head_scale),
             "gains": dict(q_gain=Q_GAIN, o_gain=O_GAIN)}.get(case.feature, {})
 
 
 def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
-    return {"softcap": dict(logits_soft_cap=CAP), "window": dict(window_left=WINDOW),
+    return {"softcap": dict(logits_soft_cap=CAP), "scaled_softcap": dict(logits_soft_cap=CAP),
+            "window": dict(window_left=WINDOW),
             "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
 
 
@@ -91,7 +94,8 @@ def check_variant(case: VariantCase, family: str, workspace, tile: str | None = 
         masks = [torch.rand(q, k, generator=gen) < 0.6 for q, k in zip(qo_lens, kv_lens)]
         mask_flat = torch.cat([m.reshape(-1) for m in masks]).to(DEV)
         masks = [m.to(DEV) for m in masks]
-    head_scale = (torch.rand(H_Q, generator=gen) * 1.5 + 0.25).to(DEV) if case.feature == "head_scale" else None
+    scaled = case.feature in ("head_scale", "scaled_softcap")
+    head_scale = (torch.rand(H_Q, generator=gen) * 1.5 + 0.25).to(DEV) if scaled else None
     split = {"force": {"fixed_split_size": 128}}.get(case.split, {})
     hooks = hooks_for(case, masks, head_scale)
     params = run_params(case, head_scale)

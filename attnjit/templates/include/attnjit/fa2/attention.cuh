@@ -185,13 +185,15 @@ struct AttentionCTA : WorkItem<Tr, P> {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int pr = packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r;
+          const float rel_r = float(col0 - q_pos_of(pr));  // rel_pos of column col0 (one I2F per row)
 #pragma unroll
           for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-              s[mq][nt][2 * r + e] = var.logits_transform(s[mq][nt][2 * r + e] * sm_scale, q_pos_of(pr),
-                                                          col0 + nt * 8 + e, qo_len, kv_len, req, qo_head_of(pr),
-                                                          kv_head);
+              s[mq][nt][2 * r + e] = var.logits_transform(s[mq][nt][2 * r + e] * sm_scale, s[mq][nt][2 * r + e],
+                                                          sm_scale, q_pos_of(pr),
+                                                          col0 + nt * 8 + e, rel_r + float(nt * 8 + e), qo_len,
+                                                          kv_len, req, qo_head_of(pr), kv_head);
         }
     }
 

@@ -96,13 +96,15 @@ struct Consumer {
       for (int r = 0; r < 2; ++r) {
         const int pr = it.packed_row0 + row0 + 8 * r;
         const float sm_r = Tr::Q_TO_HALF ? sm_scale * qinv[r] : sm_scale;
+        const float rel_r = float(col0 - it.q_pos_of(pr));  // rel_pos of column col0; one I2F per row, not per logit
 #pragma unroll
         for (int j = 0; j < N / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
-            s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_r, it.q_pos_of(pr),
-                                                           col0 + 8 * j + e, it.qo_len, it.kv_len, it.req,
-                                                           it.qo_head_of(pr), it.kv_head);
+            s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_r, s[4 * j + 2 * r + e], sm_r,
+                                                           it.q_pos_of(pr),
+                                                           col0 + 8 * j + e, rel_r + float(8 * j + e), it.qo_len,
+                                                           it.kv_len, it.req, it.qo_head_of(pr), it.kv_head);
       }
     }
     if (it.tile_needs_mask(kv0)) {

@@ -322,7 +322,8 @@ def main() -> int:
                     help=f"comma-separated sections to run ({', '.join(SECTIONS)}); default: decode, prefill, variants")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
-    ap.add_argument("--fi-skip", default="", help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants")
+    ap.add_argument("--fi-skip", default="",
+                    help="FlashInfer modules not to run, e.g. fa3:64,fa3:256,fa3:variants (or one: fa3:window)")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--tiles", default="", help="--sm90-sweep: the configurations to time (default: all)")
     sweeps = {  # flag -> (help, the sweep): each a tuning aid that times its variants and exits

@@ -213,6 +213,18 @@ def readback_rows() -> dict:
         row[f"planner.to_host B{batch}"] = timed(lambda: plan_inputs.to_host(*args), cuda=True)["min_us"]
         if raw is not None:
             row[f"MetadataBuffers.to_host B{batch}"] = timed(lambda: meta_buf.to_host(*args), cuda=True)["min_us"]
+            # the prefill read-back (qo_indptr too): one copy a tensor, against one torch.cat and one copy
+            pre = (m["indptr"].clone(),) + args
+            row[f"MetadataBuffers.to_host prefill B{batch}"] = timed(lambda: meta_buf.to_host(*pre),
+                                                                     cuda=True)["min_us"]
+            back = torch.empty(sum(t.numel() for t in pre), dtype=torch.int32, pin_memory=True)
+
+            def cat_back():
+                flat = torch.cat([t.reshape(-1) for t in pre])
+                stream = raw.stream()
+                raw.copy_back(back.data_ptr(), flat.data_ptr(), 4 * flat.numel(), stream)
+                raw.sync(stream)
+            row[f"torch.cat + one copy back prefill B{batch}"] = timed(cat_back, cuda=True)["min_us"]
     two = torch.zeros(2, dtype=torch.int32, device="cuda")
     row["one .cpu() of 2 ints"] = timed(lambda: two.cpu(), cuda=True)["min_us"]
     row["torch stream synchronize"] = timed(lambda: torch.cuda.current_stream().synchronize(), cuda=True)["min_us"]

@@ -169,7 +169,8 @@ VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 3
 def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",),
                    fi_skip=frozenset()) -> None:
     """Each built-in and a user variant on the default family, against its default kernel (and FlashInfer's;
-    "fa3:variants" in ``fi_skip`` skips FlashInfer's variant modules)."""
+    "fa3:variants" in ``fi_skip`` skips FlashInfer's variant modules, "fa3:window" one of them, by the feature's
+    first word)."""
     q, qo_indptr, kv, tables = _inputs(row, seed=7)
     out = torch.empty_like(q)
     for feature, plan_kw, run_kw, fi_kw, variant in VARIANTS:
@@ -178,7 +179,7 @@ def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), 
         r["attnjit_ms"] = time_ms(lambda: run(out, **run_kw))
         r["family"] = w.last_plan["family"]
         for backend in fi_backends if fi is not None and fi_kw is not None else ():
-            if fi_kw and f"{backend}:variants" in fi_skip:
+            if fi_kw and ({f"{backend}:variants", f"{backend}:{feature.split()[0].lower()}"} & fi_skip):
                 r[f"flashinfer_{backend}_error"] = "skipped (--fi-skip)"
                 continue
             try:

@@ -256,3 +256,28 @@ def test_the_parameter_struct_holds_every_variant_field_in_kernel_order():
         w.run(q, cache, head_scale=scale)
     assert plan.attn_values[layout.index[variant_param_name("head_scale")]] == scale.data_ptr()
     layout.struct.pack(*plan.attn_values)  # packs: every field has a value of its type
+
+
+@pytest.mark.nvcc
+def test_position_and_scale_hooks_cost_no_conversion_or_extra_multiply_a_logit():
+    """The sm90 main loop (causal, page 16, bf16: 64 logits a consumer thread a tile): ALiBi's bias through
+    ``rel_pos`` converts no int a logit (it was 64 I2FP, quarter rate, with float(kv_pos - q_pos)); the soft-cap,
+    folding ``sm_scale / cap`` into one multiply of ``qk``, adds two FMUL a logit to the default's (it was three)."""
+    from benchmarks import sm90_sass as ss
+
+    def loop(variant) -> dict[str, int]:
+        spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4,
+                             family="sm90", arch="sm_90a", variant=variant)
+        ins = ss.instructions(ss.sass_of(spec))
+        first, last, _, _ = ss.loop_bounds(ins)
+        counts: dict[str, int] = {}
+        for _, text, _ in ins[first:last + 1]:
+            op = ss.opcode(text).split(".")[0]
+            counts[op] = counts.get(op, 0) + 1
+        return counts
+
+    default, alibi, softcap = loop(None), loop(V.ALIBI), loop(V.SOFTCAP)
+    conversions = lambda c: c.get("I2F", 0) + c.get("I2FP", 0)  # noqa: E731
+    assert conversions(alibi) <= conversions(default) + 4, alibi
+    assert softcap["FMUL"] - default["FMUL"] <= 2 * 64 + 4, (softcap["FMUL"], default["FMUL"])
+    assert softcap["MUFU"] - default["MUFU"] <= 64 + 2, softcap   # one tanh a logit

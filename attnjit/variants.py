@@ -18,7 +18,9 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
                                    a snippet that scales the logit again (soft-cap) saves a multiply a logit by
                                    folding the two scales, loop-invariant, into one; ``rel_pos`` is
                                    float(kv_pos - q_pos) (exact while |kv_pos - q_pos| < 2^24), made with one add
-                                   a logit where the int conversion would cost a quarter-rate I2F each
+                                   a logit where the int conversion would cost a quarter-rate I2F each; in a
+                                   composed variant a later part's logit is its predecessor's result, and its
+                                   ``qk`` that result too, with ``sm_scale`` 1
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)

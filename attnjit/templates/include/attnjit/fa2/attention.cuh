@@ -115,6 +115,28 @@ struct AttentionCTA : WorkItem<Tr, P> {
       ldmatrix_x4(a, smem_u32(q_smem()) + q_row_off + mq * 16 * Tr::ROW_BYTES + ((kd << 5) ^ yq16));
   }
 
+  // The fp8 order's Q fragments (four 32-bit words from two rows) rewritten into the Q tile as one 16-byte quad per
+  // (fragment, lane) and read back with 128-bit loads: ptxas then keeps each fragment in four aligned registers, as
+  // the mma's A operand needs, instead of copying it there before every mma (8 moves per 16 dims per warp, a tenth of
+  // the decode loop). Once per work item; the Q tile is not read again until the epilogue stages the output in it.
+  __device__ __forceinline__ void q_frags_as_quads(uint32_t (&qf)[Tr::NUM_MMA_Q][D / 16][4]) const {
+    __syncthreads();  // every warp has its fragments: the tile may be overwritten
+    const uint32_t base = smem_u32(q_smem()) + static_cast<uint32_t>(warp_q * Tr::NUM_MMA_Q * (D / 16) * 512 +
+                                                                      lane * 16);
+    static_assert(Tr::NUM_WARPS_Q * Tr::NUM_MMA_Q * (D / 16) * 512 <= Tr::CTA_Q * Tr::ROW_BYTES, "quads fit in Q");
+    if (warp_kv == 0) {  // the warps of one warp_q hold the same fragments
+#pragma unroll
+      for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+        for (int kd = 0; kd < D / 16; ++kd) sts_v4(base + (mq * (D / 16) + kd) * 512, qf[mq][kd]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
+#pragma unroll
+      for (int kd = 0; kd < D / 16; ++kd) lds_v4(base + (mq * (D / 16) + kd) * 512, qf[mq][kd]);
+  }
+
   __device__ __forceinline__ void compute_tile(int tile, int stage, WarpState<Tr>& st,
                                                const uint32_t (&qf)[Tr::Q_IN_REGS ? Tr::NUM_MMA_Q : 1]
                                                                     [Tr::Q_IN_REGS ? D / 16 : 1][4],
@@ -527,6 +549,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
           for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
             for (int kd = 0; kd < D / 16; ++kd) load_q_frag(qf[mq][kd], mq, kd);
+          if constexpr (Tr::FP8_IN_REGS) q_frags_as_quads(qf);
         }
       }
       if constexpr (!Tr::FP8_WARP_OWNED) {  // the stage compute_tile(i - 1) read (fp8: converted above)

@@ -99,6 +99,19 @@ __device__ __forceinline__ void pv_block_fp8(float (&o)[G::NUM_MMA_Q][G::HEAD_DI
   }
 }
 
+// 16-byte shared-memory store and load of four words (asm volatile: the compiler neither forwards the stored values
+// nor moves the load above the barrier between them)
+__device__ __forceinline__ void sts_v4(uint32_t addr, const uint32_t (&v)[4]) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+               : "memory");
+}
+__device__ __forceinline__ void lds_v4(uint32_t addr, uint32_t (&v)[4]) {
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v[0]), "=r"(v[1]), "=r"(v[2]), "=r"(v[3])
+               : "r"(addr)
+               : "memory");
+}
+
 // The A fragment of Q rows row, row + 8 and 16-dim block kd in the K order above, from a 16-bit tile of ROW_BYTES
 // rows swizzled as fa2's tiles (chunk c of row r at ((c ^ (r & 7)) << 4)); row % 8 == lane / 4.
 template <int ROW_BYTES>

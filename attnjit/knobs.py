@@ -151,11 +151,6 @@ TMA: Knob[bool] = Knob(
     "1 (default): sm90 kernels copy q and the KV cache with the TMA unit where the tensors allow (attnjit/tma.py); "
     "0: with cp.async only (the same kernels and results)")
 
-READBACK_KERNEL: Knob[bool] = Knob(
-    "ATTNJIT_READBACK_KERNEL", True, _bool,
-    "1 (default): plan() reads metadata passed on the device back in one launch of a small gather kernel "
-    "(attnjit/ops/_readback.py); 0: one copy per tensor (the same values); read at a wrapper's first read-back")
-
 WORK_CLAIMS: Knob[bool] = Knob(
     "ATTNJIT_WORK_CLAIMS", True, _bool,
     "1 (default): the CTAs of a persistent (sm90) kernel claim work items from a counter in the plan's metadata "
@@ -166,4 +161,4 @@ PACKAGES: Knob[bool] = Knob(
     "1 (default): also search the layers of installed kernel packages (attnjit pack wheels); 0: ignore them")
 
 ALL: tuple[Knob, ...] = (CACHE_DIR, CACHE_PATH, PACKAGES, NVCC, CUDA_HOME, JIT, LOG, LOCK_TIMEOUT, ARCH, ARCH_OVERRIDE,
-                         JOBS, NUM_SMS, NATIVE, TMA, WORK_CLAIMS, READBACK_KERNEL)
+                         JOBS, NUM_SMS, NATIVE, TMA, WORK_CLAIMS)

@@ -196,36 +196,16 @@ def upload_rows(dev: str) -> list[dict]:
     return rows
 
 
-@contextmanager
-def _env(name: str, value: str):
-    import os
-
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def readback_rows() -> dict:
     """GPU only: what reading device metadata back costs, piece by piece (us a call, minimum): the decode B = 1 and
     B = 256 tables (indptr, last_page_len, page ids) through planner.to_host (torch.cat, then .cpu()) and through
     MetadataBuffers.to_host (RawCuda copies into a pinned buffer, one stream synchronize); one 2-int .cpu(); one
-    RawCuda 8-byte copy back with its synchronize; a synchronize alone, RawCuda's and torch's. MetadataBuffers.to_host
-    runs the read-back kernel (one launch); "one copy a tensor" is the same with ATTNJIT_READBACK_KERNEL=0."""
+    RawCuda 8-byte copy back with its synchronize; a synchronize alone, RawCuda's and torch's."""
     from attnjit.ops import planner as plan_inputs
     from attnjit.ops._upload import MetadataBuffers
 
     meta_buf = MetadataBuffers(torch.device("cuda", torch.cuda.current_device()), False, None)
     raw = meta_buf.raw
-    with _env("ATTNJIT_READBACK_KERNEL", "0"):   # the same read-back by one copy a tensor (read at first use)
-        copies = MetadataBuffers(torch.device("cuda", torch.cuda.current_device()), False, None)
-        if raw is not None:
-            copies.to_host(torch.zeros(1, dtype=torch.int32, device="cuda"))
     row = {"op": "read back"}
     for batch in (1, 256):
         m = metadata(batch, "decode", "cuda")
@@ -245,7 +225,6 @@ def readback_rows() -> dict:
                 raw.copy_back(back.data_ptr(), flat.data_ptr(), 4 * flat.numel(), stream)
                 raw.sync(stream)
             row[f"torch.cat + one copy back prefill B{batch}"] = timed(cat_back, cuda=True)["min_us"]
-            row[f"one copy a tensor prefill B{batch}"] = timed(lambda: copies.to_host(*pre), cuda=True)["min_us"]
     two = torch.zeros(2, dtype=torch.int32, device="cuda")
     row["one .cpu() of 2 ints"] = timed(lambda: two.cpu(), cuda=True)["min_us"]
     row["torch stream synchronize"] = timed(lambda: torch.cuda.current_stream().synchronize(), cuda=True)["min_us"]
@@ -371,9 +350,6 @@ def main() -> dict:
                     row[name] = timed(fn, cuda=cuda)
                 if "flashinfer" in row:
                     row["ratio_min"] = round(row["attnjit"]["min_us"] / row["flashinfer"]["min_us"], 2)
-                if where == "device":   # the same plan with one copy a tensor instead of the read-back kernel
-                    with _env("ATTNJIT_READBACK_KERNEL", "0"):
-                        row["attnjit_copies"] = timed(planner("attnjit", op, ws, meta)[1], cuda=cuda)
                 if not args.no_breakdown:
                     row["attnjit_steps"] = breakdown(planner("attnjit", op, ws, meta)[1])
                 rows.append(row)

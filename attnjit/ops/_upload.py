@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 from .. import dispatch, knobs
-from . import _readback
 from .planner import MAX_KV_LEN, dense_page_ids, to_host
 from .scheduler import MAX_WORK_ITEMS, RECORD_FIELDS, WorkPlan, _cplan
 
@@ -155,15 +154,11 @@ class MetadataBuffers:
         self._new_event = new_event
         self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
         self._readback: torch.Tensor | None = None      # pinned: device metadata read back by to_host (RawCuda)
-        self._gather_kernel: "_readback.Gather | None | bool" = False   # to_host's kernel, looked up at first use
-        self._readback_dev: int | None = None            # the read-back buffer's device address (0: none)
-        self.readbacks = {"kernel": 0, "copies": 0}     # to_host's read-backs of device tensors, by path
 
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """planner.to_host (device metadata -> host, the one synchronization such a plan makes) through RawCuda:
-        the device tensors written into a pinned read-back buffer by one launch of the read-back kernel
-        (_readback.py; else, or for more than _readback.SEGMENTS tensors, one copy each), then one stream
-        synchronize; no concatenation kernel, no pageable copy. ``readbacks`` counts which path ran. The host tensors returned are views of that buffer, valid until the next call
+        each device tensor copied into a pinned read-back buffer, then one stream synchronize; no concatenation
+        kernel, no pageable copy. The host tensors returned are views of that buffer, valid until the next call
         (plan() reads them into arrays of its own before it returns). Without RawCuda, or for a tensor that is not
         a dense int32 one (planner.to_host takes any), planner.to_host."""
         if all(t.is_cpu for t in tensors):   # host metadata, the common case: nothing to copy
@@ -176,36 +171,18 @@ class MetadataBuffers:
         buf = self._readback
         if buf is None or buf.numel() < total:
             buf = self._readback = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=True)
-            self._readback_dev = None
-        stream, base, at, out, segments = raw.stream(), buf.data_ptr(), 0, [], []
+        stream, base, at, out = raw.stream(), buf.data_ptr(), 0, []
         for t in tensors:
             if t.is_cpu:
                 out.append(t)
                 continue
             n = t.numel()
             if n:
-                segments.append((t.data_ptr(), n))
+                raw.copy_back(base + 4 * at, t.data_ptr(), 4 * n, stream)
             out.append(buf[at:at + n])   # 1-D, a 0-d tensor as one element (as planner.to_host gives)
             at += n
-        gather = self._gather() if 0 < len(segments) <= _readback.SEGMENTS else None
-        if gather is not None and self._readback_dev is None:
-            self._readback_dev = _readback.device_address(raw.rt, base)
-        if gather is not None and self._readback_dev:   # one launch writes them all into the mapped pinned buffer
-            gather.gather(self._readback_dev, segments, stream)
-            self.readbacks["kernel"] += 1
-        else:
-            at = 0
-            for ptr, n in segments:
-                raw.copy_back(base + 4 * at, ptr, 4 * n, stream)
-                at += n
-            self.readbacks["copies"] += 1
         raw.sync(stream)
         return out
-
-    def _gather(self) -> "_readback.Gather | None":
-        if self._gather_kernel is False:
-            self._gather_kernel = _readback.gather_for(self.raw.index) if knobs.READBACK_KERNEL.get() else None
-        return self._gather_kernel
 
     def refuse_capture(self, what: str) -> None:
         """Raise if the current stream is capturing a CUDA graph. A plan's copies would be recorded into the graph

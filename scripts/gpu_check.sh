@@ -171,6 +171,7 @@ if has bench || has plan; then   # plan() host time, attnjit and FlashInfer, hos
   setup_flashinfer
   python3 benchmarks/plan_host.py --json "$OUT/plan_host.json" >"$OUT/plan_host.txt" 2>"$OUT/plan_host.err"
   summary+=("plan host time (rc=$?): $(grep -c '"op"' "$OUT/plan_host.txt") rows in plan_host.json")
+  python3 benchmarks/plan_host.py --profile "$OUT/plan_profile.txt" >/dev/null 2>>"$OUT/plan_host.err"
 fi
 
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side

@@ -16,7 +16,7 @@
 #   variants, small batches), fsweep (fp8 decode tile variants), tsweep (the sm90 tile configurations against
 #   FlashInfer fa3 and cuDNN), profile (Nsight Compute,
 #   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
-#   the benchmark spec); default all
+#   the benchmark spec), layouts (benchmarks/decode_layouts.py); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
 #   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
@@ -41,9 +41,9 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan) ;;
+  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts) ;;
     *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model," \
-            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan; or pack)" >&2; exit 2;;
+            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan, layouts; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -123,6 +123,12 @@ for s in sweep order dsweep fsweep tsweep; do
   python3 benchmarks/bench.py $flag ${SWEEP_ARGS:-} --json "$OUT/$s.json" >"$OUT/$s.txt" 2>"$OUT/$s.err"
   summary+=("$s (rc=$?, $(( $(date +%s) - t )) s)")
 done
+
+if has layouts; then   # decode TB/s by the contiguous bytes of a head's token row (issue 14's fp8 gap)
+  python3 benchmarks/decode_layouts.py --json "$OUT/layouts.json" >"$OUT/layouts.txt" 2>"$OUT/layouts.err"
+  summary+=("layouts (rc=$?)")
+  cat "$OUT/layouts.txt"
+fi
 
 if has model; then
   t=$(date +%s)

@@ -331,3 +331,39 @@ def test_the_reference_dequantizes_with_float_and_per_head_scales():
     k, v = k8.double() * ks.double().reshape(1, 2, 1), v8.double() * vs
     o_ref, lse_ref = reference.attention(q, k, v, causal=True)
     assert torch.allclose(o, o_ref) and torch.allclose(lse, lse_ref)
+
+
+def _mma_a_fed_by_moves(sass: str, window: int = 12) -> int:
+    """How many HMMA of the SASS read an A operand (4 registers from the one named) that a MOV / IMAD.MOV wrote
+    within the ``window`` instructions before it: a fragment copied into place for that mma."""
+    from benchmarks import sm90_sass as ss
+
+    ins = [text for _, text, _ in ss.instructions(sass)]
+    fed = 0
+    for i, text in enumerate(ins):
+        m = re.match(r"(?:@!?U?P\w+\s+)?HMMA\.16816\.F32\S*\s+R\d+,\s*R(\d+)", text)
+        if not m:
+            continue
+        regs = {f"R{int(m.group(1)) + k}" for k in range(4)}
+        for prev in ins[max(0, i - window):i]:
+            mv = re.match(r"(?:@!?U?P\w+\s+)?(?:MOV|IMAD\.MOV\.U32)\s+(R\d+),", prev)
+            if mv and mv.group(1) in regs:
+                fed += 1
+                break
+    return fed
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kv", ["e4m3", "bf16"])
+def test_decode_mma_reads_q_fragments_in_place(kv):
+    """The fa2 decode module (bf16 q, page 16, group 4): no mma's Q operand is copied into place before it. The fp8
+    order's fragments (two rows' words) held in load order made ptxas copy each into four aligned registers before
+    every mma, 15 of them in the module (8 moves per 16 dims per warp, RESULTS.md run 98); q_frags_as_quads
+    re-lays them once per work item. The bf16 kernel's ldmatrix fragments never needed it."""
+    from benchmarks import sm90_sass as ss
+
+    spec = AttentionSpec(op="decode", head_dim=128, page_size=16, dtype_q="bf16", dtype_kv=kv, group_size=4,
+                         arch="sm_90a")
+    sass = ss._module_sass(spec)
+    assert "HMMA.16816" in sass
+    assert _mma_a_fed_by_moves(sass) == 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 
@@ -27,21 +26,17 @@ import torch  # noqa: E402
 
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
+from benchmarks.tables import H_KV, H_Q, paged_tables  # noqa: E402
 
-H_Q, H_KV, PS = 32, 8, 16
+PS = 16
 SHAPES = ((64, 4096), (32, 16384))
 CASES = (("bf16", 128, "NHD"), ("bf16", 64, "NHD"), ("e4m3", 128, "NHD"), ("e4m3", 128, "HND"),
          ("bf16", 128, "HND"))
 
 
 def row(batch: int, kv_len: int, kv: str, d: int, layout: str, ws: torch.Tensor) -> dict:
-    pages_per = -(-kv_len // PS)
-    total = batch * pages_per
-    ids = list(range(total))
-    random.Random(0).shuffle(ids)
-    indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
-    indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
-    last = torch.full((batch,), kv_len - PS * (pages_per - 1), dtype=torch.int32, device="cuda")
+    indptr, indices, last, _ = paged_tables(batch, kv_len, page_size=PS, dtype=None)  # bench.py's shuffled pages
+    total = indices.numel()
     shape = (total, 2, PS, H_KV, d) if layout == "NHD" else (total, 2, H_KV, PS, d)
     cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
     kv_dtype = torch.bfloat16

@@ -4,6 +4,7 @@
     python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
     python3 benchmarks/profile_kernels.py prefix 16x8192     # a cascade's level 0: 16 query rows over 8192 keys
     PROFILE_TILE=q192kv64 python3 benchmarks/profile_kernels.py prefill 8x2048   # an sm90 tile configuration
+    PROFILE_KV=e4m3 python3 benchmarks/profile_kernels.py decode 32x16384        # an fp8 cache (bf16 q, scale 1/16)
     ncu --clock-control none -k regex:"attnjit_(attention|sm90)" --launch-skip 2 --launch-count 1 --set full \\
         python3 benchmarks/profile_kernels.py prefill 32x512
 `bash scripts/gpu_check.sh profile` runs it under ncu for both libraries and summarizes the stalls.
@@ -37,6 +38,14 @@ def main() -> None:
     indptr, indices, last, cache = paged_tables(1 if op == "prefix" else batch, length, seed=1)
     plan_args = (indptr, indices, last, H_Q, H_KV, D, PS)
     run_kw: dict = {}
+    kv_dtype, scales = DT, {}
+    kv = os.environ.get("PROFILE_KV", "bf16")
+    if kv != "bf16":
+        if kv not in ("e4m3", "e5m2"):
+            raise SystemExit(f"profile_kernels.py: PROFILE_KV must be bf16, e4m3 or e5m2, got {kv!r}")
+        kv_dtype = torch.float8_e4m3fn if kv == "e4m3" else torch.float8_e5m2
+        cache = (cache * 16).to(kv_dtype)
+        scales = {"k_scale": 1 / 16, "v_scale": 1 / 16}
     if op == "prefill":
         qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
         q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")
@@ -61,9 +70,9 @@ def main() -> None:
             if op != "decode" else (lambda ws: fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True))
     for name, new in make.items():
         w = new(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
-        w.plan(*plan_args, q_data_type=DT, kv_data_type=DT, **kw)
+        w.plan(*plan_args, q_data_type=DT, kv_data_type=kv_dtype, **kw)
         for _ in range(4):
-            w.run(q, cache, **(run_kw if name == "attnjit" else {}))
+            w.run(q, cache, **scales, **(run_kw if name == "attnjit" else {}))
         torch.cuda.synchronize()
         print(name, op, f"{batch}x{length}", getattr(w, "last_plan", ""))
 

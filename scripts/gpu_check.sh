@@ -16,7 +16,7 @@
 #   variants, small batches), fsweep (fp8 decode tile variants), tsweep (the sm90 tile configurations against
 #   FlashInfer fa3 and cuDNN), profile (Nsight Compute,
 #   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
-#   the benchmark spec), layouts (benchmarks/decode_layouts.py); default all
+#   the benchmark spec), layouts (benchmarks/decode_layouts.py), fixed (benchmarks/decode_fixed.py); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
 #   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
@@ -41,9 +41,9 @@ done
 [ "$what" = all ] && what=tests,model,bench
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts) ;;
+  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts|fixed) ;;
     *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model," \
-            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan, layouts; or pack)" >&2; exit 2;;
+            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan, layouts, fixed; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -130,6 +130,12 @@ if has layouts; then   # decode TB/s by the contiguous bytes of a head's token r
   cat "$OUT/layouts.txt"
 fi
 
+if has fixed; then   # decode's fixed cost per call: by KV length, split size, and against plain reads of the bytes
+  python3 benchmarks/decode_fixed.py --json "$OUT/fixed.json" >"$OUT/fixed.txt" 2>"$OUT/fixed.err"
+  summary+=("decode fixed cost (rc=$?)")
+  cat "$OUT/fixed.txt"
+fi
+
 if has model; then
   t=$(date +%s)
   # the record-to-catalog loop: record a run, turn the record into a catalog, compare it with the committed one,
@@ -183,12 +189,14 @@ fi
 if has profile; then   # Nsight Compute on the short prefill rows, attnjit and FlashInfer fa2 side by side
   setup_flashinfer
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do   # BxL (prefill), decode:BxL or prefix:BxL (cascade level 0)
+  # BxL (prefill), decode:BxL or prefix:BxL (cascade level 0); a :e4m3 / :e5m2 suffix profiles an fp8 cache
+  for shape in ${PROFILE_SHAPES:-32x512 8x2048}; do
     op=prefill; case $shape in decode:*) op=decode; shape=${shape#decode:};; prefix:*) op=prefix; shape=${shape#prefix:};; esac
+    kv=bf16; case $shape in *:*) kv=${shape#*:}; shape=${shape%%:*}-$kv;; esac   # file names: BxL or BxL-kv
     for who in attnjit flashinfer; do
       k="attnjit_(attention|sm90)"; [ $who = flashinfer ] && k="Prefill|Decode"
-      "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \
-        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py $op $shape >"$OUT/ncu-log-$who-$shape.txt" 2>&1
+      PROFILE_KV=$kv "$ncu" --clock-control none -k regex:"$k" --launch-skip 2 --launch-count 1 --set full --import-source yes \
+        -o "/tmp/ncu-$who-$shape" -f python3 benchmarks/profile_kernels.py $op ${shape%%-*} >"$OUT/ncu-log-$who-$shape.txt" 2>&1
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" >"$OUT/ncu-$who-$shape.txt" 2>&1
       # every metric (ncu's messages apart)
       "$ncu" -i "/tmp/ncu-$who-$shape.ncu-rep" --page raw --csv 2>"$OUT/raw-$who-$shape.err" |

@@ -73,12 +73,13 @@ class Tile:
     @property
     def smem(self) -> int:
         d = self.head_dim
-        # fp8: the ring holds the bytes as stored in rows padded by 16 bytes, and, converted in shared memory, the
-        # 16-bit tile(s) they become (one where warps split the kv tile and each converts its own rows of K, then of
-        # V; else K and V: fa2/traits.cuh)
+        # fp8: the ring holds the bytes as stored (rows of a multiple of 128 bytes swizzled, shorter ones padded by
+        # 16 bytes), and, converted in shared memory, the 16-bit tile(s) they become (one where warps split the kv
+        # tile and each converts its own rows of K, then of V; else K and V: fa2/traits.cuh KV_ROW_BYTES)
         fp8 = self.kv_bytes == 1
         dequant = (1 if self.warps_kv > 1 else 2) * self.cta_kv * d * 2 if fp8 and not self.fp8_in_regs else 0
-        pipe = 2 * self.stages * self.cta_kv * (d + 16 if fp8 else 2 * d) + dequant
+        row = (d if d % 128 == 0 else d + 16) if fp8 else 2 * d
+        pipe = 2 * self.stages * self.cta_kv * row + dequant
         merge = self.warps_kv * self.cta_q * (d + 1) * 4 if self.warps_kv > 1 else 0
         pages_per_tile = pages_per_tile_of(self.cta_kv, self.page_size) if self.page_size else 0
         page_smem = -(-2 * self.stages * pages_per_tile * 4 // 128) * 128

@@ -275,7 +275,7 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   }
 }
 
-// Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (rows of G::KV_ROW_BYTES) into the 16-bit tile `dst` in
+// Convert rows row0 .. row0 + ROWS - 1 of a staged fp8 tile (byte x of row r at G::stage8_offset) into the 16-bit tile `dst` in
 // the family's swizzled layout, on THREADS threads (tid < THREADS). A thread reads 8 bytes and writes one 16-byte
 // chunk: 8 neighbouring threads read 64 contiguous bytes and write the 8 chunks of one row's 128-byte group (distinct
 // banks). UNROLL: chunks in flight per thread (few where the caller holds many live registers).
@@ -288,7 +288,7 @@ __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, i
   for (int n = 0; n < ROWS * CH / THREADS; ++n) {
     const int i = static_cast<int>(tid) + n * THREADS;
     const int r = row0 + i / CH, c = i % CH;
-    const uint2 raw = *reinterpret_cast<const uint2*>(src + r * G::KV_ROW_BYTES + c * 8);
+    const uint2 raw = *reinterpret_cast<const uint2*>(src + G::stage8_offset(r, c * 8));
     *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c)) = fp8x8_to<T, TKV>(raw);
   }
 }

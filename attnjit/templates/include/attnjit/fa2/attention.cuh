@@ -63,15 +63,17 @@ struct AttentionCTA : WorkItem<Tr, P> {
     v_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::ROW_BYTES;
     yq16 = ((lane / 16) ^ x) << 4;
     yk16 = (((lane / 8) % 2) ^ x) << 4;
-    kv8_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::KV_ROW_BYTES + (lane / 16) * 16;
+    kv8_row_off = (warp_kv * Tr::WARP_COLS + lane % 8 + ((lane / 8) % 2) * 8) * Tr::KV_ROW_BYTES;
+    y8_16 = Tr::stage8_y16(lane);
   }
 
   // per-thread byte offsets of the rows this lane addresses with ldmatrix, and the XOR term of its chunk
   // (swizzle(row, chunk) = row * ROW_BYTES + ((chunk ^ (row & 7)) << 4), and every such row has row & 7 == lane & 7,
   // so chunk 2 * j + h maps to ((j << 5) ^ y16) with y16 = (h ^ (lane & 7)) << 4)
   uint32_t q_row_off, k_row_off, v_row_off, yq16, yk16;
-  // fp8 in registers: this lane's ldmatrix row of a staged K or V tile (fa2/fp8_frags.cuh), for K and V alike
-  uint32_t kv8_row_off;
+  // fp8 in registers: this lane's ldmatrix row of a staged K or V tile (fa2/fp8_frags.cuh), for K and V alike, and
+  // its chunks' XOR term (Tr::stage8_y16)
+  uint32_t kv8_row_off, y8_16;
 
   __device__ __forceinline__ uint8_t* q_smem() const { return smem; }
   __device__ __forceinline__ int32_t* page_smem() const { return reinterpret_cast<int32_t*>(smem + Tr::Q_SMEM); }
@@ -151,7 +153,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
     // S = Q K^T
     if constexpr (Tr::FP8_IN_REGS) {
-      s_tile_fp8<Tr>(s, smem_u32(k_smem(stage)) + kv8_row_off, [&](int mq, int kd, uint32_t(&a)[4]) {
+      s_tile_fp8<Tr>(s, smem_u32(k_smem(stage)) + kv8_row_off, y8_16, [&](int mq, int kd, uint32_t(&a)[4]) {
         if constexpr (Tr::Q_IN_REGS) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) a[e] = qf[mq][kd][e];
@@ -283,7 +285,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
         if constexpr (V::USE_SOFTMAX) mma_16816<TM>(rs[mq], a[mq], ones);
       }
       if constexpr (Tr::FP8_IN_REGS) {
-        pv_block_fp8<Tr>(st.o, a, smem_u32(v_smem(stage)) + kv8_row_off + kk * 16 * Tr::KV_ROW_BYTES);
+        pv_block_fp8<Tr>(st.o, a, smem_u32(v_smem(stage)) + kv8_row_off + kk * 16 * Tr::KV_ROW_BYTES, y8_16);
       } else {
         const uint32_t v_addr = vs + v_row_off + kk * 16 * Tr::ROW_BYTES;
 #pragma unroll

@@ -29,8 +29,9 @@
 namespace attnjit {
 
 // K fragments of 16 keys x 16 KB dims (KB = 2, or 1: fewer live registers): `addr` is this lane's row (key
-// (lane / 8) % 2 * 8 + lane % 8) at byte (lane / 16) * 16 of the 32. b[j]: n-tile j % 2 (keys 8 (j % 2) ..) of
-// dim block j / 2, in the Q order above.
+// (lane / 8) % 2 * 8 + lane % 8) at its chunk: the first (KB = 1) or, for lane / 16 = 1, the second of the 32 bytes
+// (G::stage8_y16 gives where in the staged row). b[j]: n-tile j % 2 (keys 8 (j % 2) ..) of dim block j / 2, in the
+// Q order above.
 template <typename TKV, int KB, bool H1>
 __device__ __forceinline__ void k_frags_fp8(uint32_t addr, uint32_t (&b)[2 * KB][2]) {
   static_assert(KB == 1 || KB == 2, "one or two 16-dim blocks");
@@ -57,12 +58,13 @@ __device__ __forceinline__ void v_frags_fp8(uint32_t addr, uint32_t (&b)[2][2][2
   }
 }
 
-// S = Q K^T of one staged fp8 K tile, in fp16. ks: this lane's ldmatrix row of the tile (the CTA's kv8_row_off);
-// a_frag(mq, kd, a) gives Q's fragment of row block mq and dim block kd in the K order (q_frag_fp8_order). KB
-// 16-dim blocks per K load: two (one ldmatrix.x4) where one row block leaves registers to spare.
+// S = Q K^T of one staged fp8 K tile, in fp16. ks: this lane's ldmatrix row of the tile (the CTA's kv8_row_off),
+// y16 its chunks' XOR term (G::stage8_y16); a_frag(mq, kd, a) gives Q's fragment of row block mq and dim block kd
+// in the K order (q_frag_fp8_order). KB 16-dim blocks per K load: two (one ldmatrix.x4) where one row block leaves
+// registers to spare.
 template <typename G, typename AFrag>
 __device__ __forceinline__ void s_tile_fp8(float (&s)[G::NUM_MMA_Q][G::NUM_MMA_KV * 2][4], uint32_t ks,
-                                           const AFrag& a_frag) {
+                                           uint32_t y16, const AFrag& a_frag) {
   constexpr int KB = G::NUM_MMA_Q == 1 ? 2 : 1;
 #pragma unroll
   for (int kb = 0; kb < G::HEAD_DIM / 16 / KB; ++kb) {
@@ -74,7 +76,7 @@ __device__ __forceinline__ void s_tile_fp8(float (&s)[G::NUM_MMA_Q][G::NUM_MMA_K
 #pragma unroll
     for (int mkv = 0; mkv < G::NUM_MMA_KV; ++mkv) {
       uint32_t b[2 * KB][2];
-      k_frags_fp8<typename G::TKV, KB, KB == 2>(ks + mkv * 16 * G::KV_ROW_BYTES + kb * 16 * KB, b);
+      k_frags_fp8<typename G::TKV, KB, KB == 2>(ks + mkv * 16 * G::KV_ROW_BYTES + ((kb * 16 * KB) ^ y16), b);
 #pragma unroll
       for (int mq = 0; mq < G::NUM_MMA_Q; ++mq)
 #pragma unroll
@@ -84,14 +86,14 @@ __device__ __forceinline__ void s_tile_fp8(float (&s)[G::NUM_MMA_Q][G::NUM_MMA_K
 }
 
 // O += P V of 16 keys of one staged fp8 V tile, in fp16: dim block c's even dims into o[2c], its odd dims into
-// o[2c + 1]. a: P's fragments (fp16); v_addr: this lane's ldmatrix row of the 16 keys.
+// o[2c + 1]. a: P's fragments (fp16); v_addr: this lane's ldmatrix row of the 16 keys, y16 its chunks' XOR term.
 template <typename G>
 __device__ __forceinline__ void pv_block_fp8(float (&o)[G::NUM_MMA_Q][G::HEAD_DIM / 8][4],
-                                             const uint32_t (&a)[G::NUM_MMA_Q][4], uint32_t v_addr) {
+                                             const uint32_t (&a)[G::NUM_MMA_Q][4], uint32_t v_addr, uint32_t y16) {
 #pragma unroll
   for (int c2 = 0; c2 < G::HEAD_DIM / 32; ++c2) {
     uint32_t b[2][2][2];
-    v_frags_fp8<typename G::TKV, G::NUM_MMA_Q == 1>(v_addr + c2 * 32, b);
+    v_frags_fp8<typename G::TKV, G::NUM_MMA_Q == 1>(v_addr + ((c2 * 32) ^ y16), b);
 #pragma unroll
     for (int mq = 0; mq < G::NUM_MMA_Q; ++mq)
 #pragma unroll

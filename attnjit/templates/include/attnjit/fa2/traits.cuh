@@ -39,18 +39,28 @@ struct AttentionTraits {
   static constexpr int PAGE_SMEM = (PAGE_RING * PAGES_PER_TILE * 4 + 127) / 128 * 128;
   static constexpr int Q_SMEM = CTA_Q * HEAD_DIM * 2;
   static constexpr int KV_TILE_SMEM = CTA_KV * HEAD_DIM * 2;  // one of K or V, 16-bit: what the mainloop reads
-  // the cp.async ring holds K and V as stored. An fp8 cache's stages hold rows of KV_ROW_BYTES (HEAD_DIM bytes and
-  // 16 of padding: 8 rows at one column fall in 8 bank groups, for ldmatrix); its bytes become the mma's 16-bit
-  // operands in registers (FP8_IN_REGS: fa2/fp8_frags.cuh), or, where a key transform rewrites K in shared memory,
-  // are converted into 16-bit K and V tiles first
+  // the cp.async ring holds K and V as stored. An fp8 cache's stages hold rows of KV_ROW_BYTES; its bytes become the
+  // mma's 16-bit operands in registers (FP8_IN_REGS: fa2/fp8_frags.cuh), or, where a key transform rewrites K in
+  // shared memory, are converted into 16-bit K and V tiles first. Rows of a multiple of 128 bytes (head_dim 128,
+  // 256) are swizzled as the 16-bit tiles are (16-byte chunk c of row r at (c ^ (r & 7)) << 4: 8 rows at one chunk
+  // fall in 8 bank groups, for ldmatrix) and stay 128-byte aligned; shorter rows (head_dim 64) are padded by 16
+  // bytes instead. (Padded 144-byte rows made each cp.async of 128-byte global rows ask L2 for 24 sectors
+  // instead of 16: Nsight Compute, run 102.)
   static constexpr int KV_ELEM_BYTES = static_cast<int>(sizeof(TKV));
   static constexpr bool FP8_KV = KV_ELEM_BYTES == 1;
   static constexpr bool FP8_IN_REGS = FP8_KV && !Variant::HAS_KEY_TRANSFORM;
-  static constexpr int KV_ROW_BYTES = FP8_KV ? HEAD_DIM + 16 : ROW_BYTES;
+  static constexpr bool FP8_SWIZZLED = FP8_KV && HEAD_DIM % 128 == 0;
+  static constexpr int KV_ROW_BYTES = FP8_KV ? (FP8_SWIZZLED ? HEAD_DIM : HEAD_DIM + 16) : ROW_BYTES;
   static constexpr int KV_STAGE_SMEM = CTA_KV * KV_ROW_BYTES;  // one of K or V, one stage, as stored
-  // where byte `byte` of a staged fp8 row lands (attnjit/kv_load.cuh): rows of KV_ROW_BYTES
+  // where byte `byte` of a staged fp8 row lands (attnjit/kv_load.cuh)
   __device__ __forceinline__ static constexpr uint32_t stage8_offset(int row, int byte) {
-    return static_cast<uint32_t>(row * KV_ROW_BYTES + byte);
+    return static_cast<uint32_t>(row * KV_ROW_BYTES +
+                                 (FP8_SWIZZLED ? (((byte >> 4) ^ (row & 7)) << 4) | (byte & 15) : byte));
+  }
+  // the XOR term of a staged fp8 chunk that a lane addresses with ldmatrix (its rows all have row & 7 == lane & 7):
+  // chunk 2 j + h (h = lane / 16) of such a row lies at ((j << 5) ^ stage8_y16(lane)) past the row's start
+  __device__ __forceinline__ static constexpr uint32_t stage8_y16(int lane) {
+    return static_cast<uint32_t>(((lane / 16) ^ (FP8_SWIZZLED ? lane & 7 : 0)) << 4);
   }
   // Converted in shared memory, where warps split the kv tile (NUM_WARPS_KV > 1: decode), each warp reads only its
   // own WARP_COLS rows of K and V, so each converts its own rows, K before S = Q K^T and then V into the same

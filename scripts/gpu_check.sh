@@ -11,11 +11,11 @@
 #   5. the model benchmark (benchmarks/model.py): tokens/s with attnjit and with FlashInfer at the same call sites
 #
 #   bash scripts/gpu_check.sh [STAGES] [pytest args...]
-#   STAGES: all (= tests,model,bench) or a comma-separated list of smoke (each family on a few batches, under a
+#   STAGES: all (= tests,model,bench,plan) or a comma-separated list of smoke (each family on a few batches, under a
 #   timeout), tests, model, bench, sweep (tile variants), order (prefill work orders), dsweep (deep decode tile
 #   variants, small batches), fsweep (fp8 decode tile variants), tsweep (the sm90 tile configurations against
 #   FlashInfer fa3 and cuDNN), profile (Nsight Compute,
-#   short prefill rows), plan (plan() host time against FlashInfer; bench runs it too), tune (attnjit tune on
+#   short prefill rows), plan (plan() host time against FlashInfer), tune (attnjit tune on
 #   the benchmark spec), layouts (benchmarks/decode_layouts.py), fixed (benchmarks/decode_fixed.py); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
@@ -38,7 +38,7 @@ fi
 for c in device-cache llama-cache; do
   if [ -f ".carry/$c.tar.xz" ] && [ ! -d ".$c" ]; then mkdir -p ".$c" && tar xJf ".carry/$c.tar.xz" -C ".$c"; fi
 done
-[ "$what" = all ] && what=tests,model,bench
+[ "$what" = all ] && what=tests,model,bench,plan
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
   case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts|fixed) ;;
@@ -179,7 +179,7 @@ if has tune; then   # attnjit tune on the benchmark's prefill spec: a tuning rec
   rm -rf "$OUT/tune-cache"
 fi
 
-if has bench || has plan; then   # plan() host time, attnjit and FlashInfer, host and device metadata
+if has plan; then   # plan() host time, attnjit and FlashInfer, host and device metadata
   setup_flashinfer
   python3 benchmarks/plan_host.py --json "$OUT/plan_host.json" >"$OUT/plan_host.txt" 2>"$OUT/plan_host.err"
   summary+=("plan host time (rc=$?): $(grep -c '"op"' "$OUT/plan_host.txt") rows in plan_host.json")

@@ -197,7 +197,7 @@ SMALL_DECODE_ROWS = [(1, 32768), (16, 4096), (4, 16384)]
 # fp8 decode (narrow) tile variants tried by --fp8-sweep; stages as for 16-bit K/V (fa2.fp8_tile doubles them)
 SWEEP_FP8 = [(1, 4, 1, 1, 3, 2), (1, 4, 1, 1, 2, 3), (1, 4, 1, 2, 2, 2), (1, 8, 1, 1, 2, 2), (1, 4, 1, 1, 4, 1),
              (1, 8, 1, 1, 3, 1)]
-FP8_SWEEP_ROWS = [(64, 4096), (1, 32768), (32, 16384)]
+FP8_SWEEP_ROWS = [(64, 4096), (1, 32768), (16, 4096), (32, 16384)]
 
 
 def sweep_fp8(rows) -> list[dict]:

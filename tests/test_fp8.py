@@ -136,9 +136,29 @@ def test_fp8_tiles_convert_in_registers_unless_a_key_transform():
     assert [t.tag for t in fa2.tiles(rope)] == [""]
     sixteen = AttentionSpec(dtype="bf16", arch="sm_90a", **DECODE)
     assert not any(t.fp8_in_regs for t in fa2.tiles(sixteen))
-    # the staged fp8 rows are padded by 16 bytes; converted in shared memory, the 16-bit tile comes on top
+    # converted in shared memory, the 16-bit tile comes on top (and the q row scales go)
     t_regs, t_smem = fa2.tiles(plain)[0], fa2.tiles(rope)[0]
     assert t_smem.smem - t_regs.smem == t_regs.cta_kv * 128 * 2 - 128
+
+
+@pytest.mark.parametrize("head_dim,row_bytes", [(64, 80), (128, 128), (256, 256)])
+def test_fp8_stages_hold_128_byte_aligned_rows_where_rows_are_128_byte_multiples(head_dim, row_bytes):
+    """The fa2 family stages an fp8 cache as stored: rows of 128 and 256 bytes swizzled (chunk c of row r at
+    c ^ (r & 7), fa2/traits.cuh stage8_offset), so each 128-byte global row lands in one 128-byte shared segment;
+    64-byte rows padded by 16. With 144-byte padded rows every cp.async of the fp8 decode asked L2 for 24 sectors where
+    16 hold its bytes (RESULTS.md run 102), and the decode read 8-10% fewer fp8 bytes a second. Tile.smem is held to
+    the traits' SMEM_BYTES by the template's static_assert, so this pins the traits' row size."""
+    from attnjit.families import fa2
+
+    spec = AttentionSpec(op="decode", head_dim=head_dim, page_size=16, dtype_q="bf16", dtype_kv="e4m3",
+                         group_size=4, arch="sm_90a")
+    t = fa2.tiles(spec)[0]
+    b16 = fa2.tiles(spec.replace(dtype_kv="bf16"))[0]
+    assert (t.cta_q, t.cta_kv, t.warps_kv) == (b16.cta_q, b16.cta_kv, b16.warps_kv)
+    q_tile, qscale = t.cta_q * head_dim * 2, -(-t.cta_q * 4 // 128) * 128
+    pages = -(-2 * t.stages * fa2.pages_per_tile_of(t.cta_kv, 16) * 4 // 128) * 128
+    merge = t.warps_kv * t.cta_q * (head_dim + 1) * 4
+    assert t.smem == q_tile + pages + qscale + max(2 * t.stages * t.cta_kv * row_bytes, merge)
 
 
 @pytest.mark.nvcc

@@ -129,6 +129,19 @@ def wide_tile(head_dim: int, page_size: int) -> Tile:
                 min_blocks=2 if head_dim == 64 else 1)
 
 
+@functools.lru_cache(maxsize=1024)  # a frozen Tile of three ints: plan() asks every step
+def deep_fp8_decode_tile(head_dim: int, page_size: int, group_size: int) -> Tile | None:
+    """The fp8 (converted in registers) decode tile for batches too small to fill the GPU: eight warps split a
+    128-token tile, three stages before fp8_tile (five fp8 stages, ~165 KB), one CTA per SM. Measured on the H200
+    (run 104, `fsweep`, TB/s of fp8 bytes, the narrow tile / this one): 1x32768 2.11 / 2.57, 16x4096 3.30 / 3.52,
+    32x16384 4.25 / 4.34, and 64x4096 4.01 / 3.83 (a full batch: the narrow tile stays there). None where not
+    measured: head_dim other than 128, or more than one row block (group size > 16)."""
+    narrow = narrow_tile(head_dim, page_size, group_size)
+    if head_dim != 128 or narrow.warps_kv != 4 or narrow.mma_q != 1:
+        return None
+    return Tile(head_dim, page_size, warps_q=1, warps_kv=8, mma_q=1, mma_kv=1, stages=3, min_blocks=1, tag="deep")
+
+
 def fp8_tile(tile: Tile, kv_bytes: int, in_regs: bool = True) -> Tile:
     """The tile for a cache of ``kv_bytes`` per element. fp8 where warps split the kv tile (decode): twice the
     stages in flight (2S - 1 stages), so the same bytes are in flight as for 16-bit K/V (a memory-bound kernel needs
@@ -148,10 +161,14 @@ def tiles(spec: "AttentionSpec") -> tuple[Tile, ...]:
     in_regs = not (spec.variant and spec.variant.hook("key_transform"))
     narrow = fp8_tile(narrow_tile(spec.head_dim_qk, page_size, spec.group_size), kv_bytes, in_regs)
     if spec.op == "decode":
-        # fp8 KV: no deep tile. Measured on the H200 (TB/s of fp8 bytes, narrow / deep): converted in registers,
-        # 16x4096 2.98 / 2.66, 32x16384 3.78 / 3.01, 1x32768 2.02 / 2.02; in shared memory the deep tile read fewer
-        # tokens/s than the bf16 one (1x32768 605 vs 796 Mtok/s). Split fp8 batches take the narrow tile, 2 CTAs/SM
-        deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size) if kv_bytes == 2 else None
+        # fp8 KV converted in registers: its own deep tile (eight warps, deep_fp8_decode_tile). Converted in shared
+        # memory (a key transform) none: there the bf16 one's shape read fewer tokens/s than the bf16 kernel
+        # (1x32768 605 vs 796 Mtok/s, before the fp8 stages were 128-byte aligned), and no fp8 one is measured
+        if kv_bytes == 2:
+            deep = deep_decode_tile(spec.head_dim_qk, page_size, spec.group_size)
+        else:
+            deep = deep_fp8_decode_tile(spec.head_dim_qk, page_size, spec.group_size) if in_regs else None
+            deep = fp8_tile(deep, kv_bytes, in_regs) if deep else None
         return (narrow, deep) if deep else (narrow,)
     wide = fp8_tile(wide_tile(spec.head_dim_qk, page_size), kv_bytes, in_regs)
     return (narrow, wide) if narrow.cta_q < wide.cta_q else (wide,)

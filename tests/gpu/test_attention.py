@@ -339,6 +339,28 @@ def test_decode_takes_the_deep_tile_only_when_the_batch_cannot_fill_the_gpu(work
     assert_lse_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("kv_lens,tile", [((20000,), "q16_kv128_w1x8_deep"), ((3000, 9), "q16_kv128_w1x8_deep"),
+                                          ((700,) * 40, "q16_kv64_w1x4")])
+def test_fp8_decode_takes_its_deep_tile_only_when_the_batch_cannot_fill_the_gpu(workspace, kv_lens, tile):
+    """An e4m3 cache at head_dim 128 (bf16 q, scale 1/8): a batch that cannot fill the GPU runs the fp8 deep tile
+    (eight warps, one CTA an SM: fa2.deep_fp8_decode_tile), a full one the narrow tile; both against the float64
+    reference of the dequantized cache."""
+    b = make_paged((1,) * len(kv_lens), kv_lens, page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                   dtype=torch.bfloat16, device=DEV, seed=7 + len(kv_lens))
+    _, kvp, idx, last = b.tensors(DEV)
+    cache8 = (b.cache.float() * 8).to(torch.float8_e4m3fn)
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    w.plan(kvp, idx, last, 32, 8, 128, 16, q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    w.run(b.q, cache8, out=out, lse=lse, k_scale=0.125, v_scale=0.125)
+    assert w.last_plan["tile"] == tile
+    assert w.last_plan["split_kv"] == (tile.endswith("deep") and max(kv_lens) > 512)
+    ref_o, ref_lse = reference.batch_paged(b.q, cache8, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                           page_size=16, causal=False, k_scale=0.125, v_scale=0.125)
+    assert_close(out, ref_o, torch.bfloat16)
+    assert_lse_close(lse, ref_lse)
+
+
 @pytest.mark.parametrize("indices_on_host", [False, True])
 def test_plan_takes_host_metadata(workspace, indices_on_host):
     """qo_indptr / kv indptr / last_page_len on the host (FlashInfer accepts both; it spares plan() a device-to-host

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
+from benchmarks import fp8  # noqa: E402
 from benchmarks.tables import D, H_KV, H_Q, paged_tables  # noqa: E402
 
 PS = 16
@@ -48,9 +49,7 @@ def decode_call(batch: int, kv_len: int, kv: str, ws: torch.Tensor, **plan_kw):
     scales = {}
     kv_dtype = torch.bfloat16
     if kv == "e4m3":
-        kv_dtype = torch.float8_e4m3fn
-        cache = (cache * 16).to(kv_dtype)
-        scales = {"k_scale": 1 / 16, "v_scale": 1 / 16}
+        kv_dtype, cache, scales = fp8.FP8, fp8.quantized(cache), fp8.SCALES
     q = torch.randn(batch, H_Q, D, dtype=torch.bfloat16, device="cuda")
     w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
     w.plan(indptr, indices, last, H_Q, H_KV, D, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype, **plan_kw)

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
+from benchmarks import fp8  # noqa: E402
 from benchmarks.tables import H_KV, H_Q, paged_tables  # noqa: E402
 
 PS = 16
@@ -39,15 +40,13 @@ def row(batch: int, kv_len: int, kv: str, d: int, layout: str, ws: torch.Tensor)
     total = indices.numel()
     shape = (total, 2, PS, H_KV, d) if layout == "NHD" else (total, 2, H_KV, PS, d)
     cache = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
-    kv_dtype = torch.bfloat16
+    kv_dtype, scales = torch.bfloat16, {}
     if kv == "e4m3":
-        kv_dtype = torch.float8_e4m3fn
-        cache = (cache * 16).to(kv_dtype)
+        kv_dtype, cache, scales = fp8.FP8, fp8.quantized(cache), fp8.SCALES
     q = torch.randn(batch, H_Q, d, dtype=torch.bfloat16, device="cuda")
     w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws, layout)
     w.plan(indptr, indices, last, H_Q, H_KV, d, PS, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
     out = torch.empty_like(q)
-    scales = {"k_scale": 1 / 16, "v_scale": 1 / 16} if kv == "e4m3" else {}
     ms = time_ms(lambda: w.run(q, cache, out=out, **scales))
     nbytes = batch * kv_len * H_KV * d * 2 * cache.element_size()
     return {"shape": f"{batch}x{kv_len}", "kv": kv, "head_dim": d, "layout": layout,

@@ -30,11 +30,14 @@ FP8 = torch.float8_e4m3fn
 K_SCALE, V_SCALE = 1 / 48, 1 / 40   # the cache holds k / K_SCALE: unit-variance keys stay inside e4m3's range
 
 
-def quantized(cache: torch.Tensor) -> torch.Tensor:
-    """The e4m3 cache of a 16-bit [P, 2, ...] cache: k / K_SCALE and v / V_SCALE."""
-    cache8 = torch.empty(cache.shape, dtype=FP8, device=cache.device)
-    cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(FP8)
-    cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(FP8)
+SCALES = {"k_scale": K_SCALE, "v_scale": V_SCALE}   # run()'s arguments for a quantized() cache
+
+
+def quantized(cache: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """The fp8 cache (e4m3, or ``dtype``) of a 16-bit [P, 2, ...] cache: k / K_SCALE and v / V_SCALE."""
+    cache8 = torch.empty(cache.shape, dtype=dtype, device=cache.device)
+    cache8[:, 0] = (cache[:, 0].float() / K_SCALE).to(dtype)
+    cache8[:, 1] = (cache[:, 1].float() / V_SCALE).to(dtype)
     return cache8
 
 

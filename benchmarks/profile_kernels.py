@@ -4,7 +4,7 @@
     python3 benchmarks/profile_kernels.py decode 1x32768     # decode, batch x KV length
     python3 benchmarks/profile_kernels.py prefix 16x8192     # a cascade's level 0: 16 query rows over 8192 keys
     PROFILE_TILE=q192kv64 python3 benchmarks/profile_kernels.py prefill 8x2048   # an sm90 tile configuration
-    PROFILE_KV=e4m3 python3 benchmarks/profile_kernels.py decode 32x16384        # an fp8 cache (bf16 q, scale 1/16)
+    PROFILE_KV=e4m3 python3 benchmarks/profile_kernels.py decode 32x16384        # an fp8 cache (benchmarks/fp8.py's)
     ncu --clock-control none -k regex:"attnjit_(attention|sm90)" --launch-skip 2 --launch-count 1 --set full \\
         python3 benchmarks/profile_kernels.py prefill 32x512
 `bash scripts/gpu_check.sh profile` runs it under ncu for both libraries and summarizes the stalls.
@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
+from benchmarks import fp8  # noqa: E402
 from benchmarks.bench import DT, D, H_KV, H_Q, PS, load_flashinfer, paged_tables  # noqa: E402
 
 
@@ -44,8 +45,7 @@ def main() -> None:
         if kv not in ("e4m3", "e5m2"):
             raise SystemExit(f"profile_kernels.py: PROFILE_KV must be bf16, e4m3 or e5m2, got {kv!r}")
         kv_dtype = torch.float8_e4m3fn if kv == "e4m3" else torch.float8_e5m2
-        cache = (cache * 16).to(kv_dtype)
-        scales = {"k_scale": 1 / 16, "v_scale": 1 / 16}
+        cache, scales = fp8.quantized(cache, kv_dtype), fp8.SCALES
     if op == "prefill":
         qo_indptr = torch.arange(0, batch * length + 1, length, dtype=torch.int32, device="cuda")
         q = torch.randn(batch * length, H_Q, D, dtype=DT, device="cuda")

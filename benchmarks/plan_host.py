@@ -199,7 +199,8 @@ def upload_rows(dev: str) -> list[dict]:
 def readback_rows() -> dict:
     """GPU only: what reading device metadata back costs, piece by piece (us a call, minimum): the decode B = 1 and
     B = 256 tables (indptr, last_page_len, page ids) through planner.to_host (torch.cat, then .cpu()) and through
-    MetadataBuffers.to_host (RawCuda copies into a pinned buffer, one stream synchronize); one 2-int .cpu(); one
+    MetadataBuffers.to_host (RawCuda copies into a pinned buffer, neighbours in one allocation as one copy, one
+    stream synchronize; also with each tensor in its own 8 MB allocation); one 2-int .cpu(); one
     RawCuda 8-byte copy back with its synchronize; a synchronize alone, RawCuda's and torch's."""
     from attnjit.ops import planner as plan_inputs
     from attnjit.ops._upload import MetadataBuffers
@@ -217,6 +218,16 @@ def readback_rows() -> dict:
             pre = (m["indptr"].clone(),) + args
             row[f"MetadataBuffers.to_host prefill B{batch}"] = timed(lambda: meta_buf.to_host(*pre),
                                                                      cuda=True)["min_us"]
+            calls = []
+            real_copy, raw.copy_back = raw.copy_back, lambda *a: (calls.append(a), real_copy(*a))
+            meta_buf.to_host(*pre)
+            raw.copy_back = real_copy
+            row[f"MetadataBuffers.to_host prefill B{batch}: copies"] = len(calls)   # neighbours share one
+            # the same tensors in their own allocations (nothing to join): one copy each
+            apart = [torch.empty(2 << 20, dtype=torch.int32, device="cuda") for _ in pre]
+            sep = tuple(a[:t.numel()].copy_(t) for a, t in zip(apart, pre))
+            row[f"MetadataBuffers.to_host prefill B{batch}, apart"] = timed(lambda: meta_buf.to_host(*sep),
+                                                                            cuda=True)["min_us"]
             back = torch.empty(sum(t.numel() for t in pre), dtype=torch.int32, pin_memory=True)
 
             def cat_back():

@@ -263,3 +263,33 @@ def test_read_back_of_device_metadata_matches_planner_to_host():
         args = (a, host, b, c, empty, a[0])
         got = meta.to_host(*args)
         assert [g.tolist() for g in got] == [w.tolist() for w in planner.to_host(*args)], step
+
+
+def test_read_back_joins_neighbours_of_one_allocation_and_only_those(monkeypatch):
+    """Device metadata that lies close together in one allocation (slices of one buffer, or small tensors the
+    caching allocator placed side by side) comes back in one copy; tensors in separate allocations and tensors too
+    far apart each in their own; every value equals planner.to_host's either way, also when
+    the bytes between the tensors change between calls."""
+    from attnjit.ops import planner
+    from attnjit.ops._upload import MetadataBuffers, RawCuda
+
+    copies = []
+    real = RawCuda.copy_back
+    monkeypatch.setattr(RawCuda, "copy_back", lambda self, dst, src, n, stream: (copies.append(n),
+                                                                                 real(self, dst, src, n, stream)))
+    meta = MetadataBuffers(torch.device("cuda", torch.cuda.current_device()), False, None)
+    assert meta.raw.allocation(torch.empty(4, dtype=torch.int32, device=DEV).data_ptr()) is not None
+    whole = torch.arange(4096, dtype=torch.int32, device=DEV)
+    qo, kv, last, ids = whole[0:3], whole[100:103], whole[200:202], whole[1000:1128]
+    big_a = torch.full((3 << 20,), 7, dtype=torch.int32, device=DEV)   # 12 MB each: their own segments
+    big_b = torch.full((3 << 20,), 9, dtype=torch.int32, device=DEV)
+    cases = [((qo, kv, last, ids), 1), ((ids, qo, last), 1), ((qo, big_a[:4], big_b[-4:], kv), 3),
+             ((whole[:2], whole[-2:]), 1), ((big_a[:2], big_a[-2:]), 2)]
+    for step in range(3):
+        whole.add_(step * 5000)
+        big_a.add_(1)
+        for args, n in cases:
+            copies.clear()
+            got = meta.to_host(*args)
+            assert [g.tolist() for g in got] == [w.tolist() for w in planner.to_host(*args)], (step, n)
+            assert len(copies) == n, (step, n, copies)

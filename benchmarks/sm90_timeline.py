@@ -18,7 +18,13 @@ fp8 cache with a bf16 q, converting its rows), I1 -> I2 the main loop, I2 -> I3 
 walk to the next item; with the item's kv tile count, so short and long items can be told apart. An unsplit item's
 epilogue is cut at E1 (O normalized and staged in shared memory) and E2 (the warpgroup's barrier passed; then the
 16-byte global stores), and the walk at W (the top of the next item's iteration, before its work record is read). ``--kv e4m3``
-times the kernel over an e4m3 cache (issue 14's sm90 fp8 path).
+times the kernel over an e4m3 cache (issue 14's sm90 fp8 path). ``--what-if NAME`` patches the kernel first
+(WHAT_IFS: an upper bound on what removing one cost could buy), ``--no-stamps`` leaves the stamps out and ``--time`` times
+run() back to back (TFLOP/s), so one call can compare a patched kernel with the one built:
+
+    python3 benchmarks/sm90_timeline.py --build --no-stamps --what-if no-store 32x512
+    python3 benchmarks/sm90_timeline.py --no-stamps --time 32x512 8x2048 1x8192                # as built
+    python3 benchmarks/sm90_timeline.py --no-stamps --time --what-if no-store 32x512 8x2048 1x8192
 """
 
 from __future__ import annotations
@@ -107,14 +113,61 @@ def _stamp_loop(src: str) -> str:
     return src[:start] + body + src[end:]
 
 
-def _stamped(render):
+# What-if patches of the rendered source (``--what-if``), each an upper bound on what removing one cost could buy:
+#   no-store: an unsplit item's 16-byte global stores of O predicated off by a condition the compiler cannot fold
+#   (the staging, the barrier and every other instruction stay; the output is left unwritten)
+_STORE = "        if (pr < it.rows_total)\n          *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) ="
+#   st-cs: the same stores as streaming ones (st.global.cs: evict-first in L2), so the output does not push the K/V
+#   tiles other items still read out of L2
+_STORE_ALL = _STORE + ("\n              *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>"
+                       "(row, c));")
+WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
+                                                "(pr < it.rows_total && it.p.sm_scale_log2 < -1e30)")),
+            "st-cs": (_STORE_ALL, "        if (pr < it.rows_total)\n          __stcs(reinterpret_cast<uint4*>("
+                      "it.out_ptr(pr, c)),\n              *reinterpret_cast<const uint4*>(stage + "
+                      "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
+
+
+def _patched(src: str, what_if: str) -> str:
+    old, new = WHAT_IFS[what_if]
+    if src.count(old) != 1:
+        raise SystemExit(f"sm90_timeline.py: --what-if {what_if}: its statement is not once in the kernel; update "
+                         "WHAT_IFS")
+    return src.replace(old, new)
+
+
+def _stamped(render, stamps: bool = True, what_if: str | None = None):
     def render_stamped(spec):
         r = render(spec)
         if spec.family != "sm90":
             return r
-        src = _stamp_items(_stamp_loop(r.source).replace(_MEMBER, _STAMP), ITEM_BASE)
+        src = r.source
+        if what_if is not None:
+            src = _patched(src, what_if)
+        if stamps:
+            src = _stamp_items(_stamp_loop(src).replace(_MEMBER, _STAMP), ITEM_BASE)
         return generator.Rendered(spec=r.spec, source=src, kernels=r.kernels, template=r.template)
     return render_stamped
+
+
+def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) -> float:
+    """TFLOP/s of ``run`` called back to back in the stream (the best of ``rounds`` rounds; causal FLOPs
+    4 B H D L^2 / 2, H = 32 query heads, D = 128)."""
+    import torch
+
+    for _ in range(5):
+        run()
+    best = float("inf")
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            run()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / calls * 1e-3)
+    flops = 4 * b * 32 * 128 * L * L * (0.5 if causal else 1.0)
+    return flops / best / 1e12
 
 
 SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is one per SM)
@@ -185,8 +238,11 @@ def main() -> int:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "e4m3"), help="the cache's type (e4m3: the fp8 path)")
     ap.add_argument("--tile", default=None, help="an sm90 tile configuration (default: the family's default)")
     ap.add_argument("--json")
+    ap.add_argument("--what-if", choices=sorted(WHAT_IFS), help="patch the kernel (WHAT_IFS) before stamping")
+    ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
+    ap.add_argument("--time", action="store_true", help="also time run() back to back, TFLOP/s per shape")
     args = ap.parse_args()
-    jit.render = _stamped(jit.render)
+    jit.render = _stamped(jit.render, stamps=not args.no_stamps, what_if=args.what_if)
     spec = _spec(not args.non_causal, args.kv, tile=args.tile)
     if args.build:
         jit.ensure(spec)
@@ -212,6 +268,12 @@ def main() -> int:
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):
             w.run(q, cache)
+        if args.time:
+            out[shape] = {"tflops": round(tflops(lambda: w.run(q, cache), b, L, not args.non_causal), 1)}
+            print(shape, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
+                  out[shape], flush=True)
+        if args.no_stamps:
+            continue
         ws.zero_()
         w.run(q, cache)
         torch.cuda.synchronize()
@@ -220,7 +282,7 @@ def main() -> int:
         n = sms * WGS * MAX_REC * 8
         stamps = ws[: n * 8].view(torch.int64).cpu().numpy()
         items = ws[ITEM_BASE * 8: (ITEM_BASE + sms * WGS * MAX_ITEMS * 8) * 8].view(torch.int64).cpu().numpy()
-        out[shape] = report(stamps)
+        out[shape] = {**out.get(shape, {}), **report(stamps)}
         out[shape]["items"] = item_report(items)
         print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)
         for wg in (0, 1):

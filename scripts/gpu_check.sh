@@ -16,10 +16,12 @@
 #   variants, small batches), fsweep (fp8 decode tile variants), tsweep (the sm90 tile configurations against
 #   FlashInfer fa3 and cuDNN), profile (Nsight Compute,
 #   short prefill rows), plan (plan() host time against FlashInfer), tune (attnjit tune on
-#   the benchmark spec), layouts (benchmarks/decode_layouts.py), fixed (benchmarks/decode_fixed.py); default all
+#   the benchmark spec), layouts (benchmarks/decode_layouts.py), fixed (benchmarks/decode_fixed.py), timeline
+#   (benchmarks/sm90_timeline.py from .timeline-cache, built here with its --build); default all
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
-#   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT
+#   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT, TIMELINE_ARGS (';'-separated argument sets of
+#   sm90_timeline.py, one call each; default "32x512 8x2048")
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -41,9 +43,9 @@ done
 [ "$what" = all ] && what=tests,model,bench,plan
 has() { [[ ",$what," == *",$1,"* ]]; }
 for s in ${what//,/ }; do
-  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts|fixed) ;;
+  case $s in smoke|tests|model|bench|sweep|order|dsweep|fsweep|tsweep|profile|tune|plan|layouts|fixed|timeline) ;;
     *) echo "gpu_check.sh: unknown stage '$s' (stages: all, or a comma-separated list of smoke, tests, model," \
-            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan, layouts, fixed; or pack)" >&2; exit 2;;
+            "bench, sweep, order, dsweep, fsweep, tsweep, profile, tune, plan, layouts, fixed, timeline; or pack)" >&2; exit 2;;
   esac
 done
 OUT=${OUT:-/tmp/attnjit-out}; mkdir -p "$OUT"
@@ -130,6 +132,19 @@ if has layouts; then   # decode TB/s by the contiguous bytes of a head's token r
   cat "$OUT/layouts.txt"
 fi
 
+if has timeline; then   # the sm90 consumer's phases and what-if patches, kernels from .timeline-cache (no compile)
+  IFS=';' read -ra tl_sets <<<"${TIMELINE_ARGS:-32x512 8x2048}"
+  n=0
+  for a in "${tl_sets[@]}"; do
+    n=$((n + 1))
+    # shellcheck disable=SC2086  # each set is a list of arguments
+    ATTNJIT_JIT=0 ATTNJIT_CACHE_DIR=$PWD/.timeline-cache timeout 300 python3 benchmarks/sm90_timeline.py $a \
+      --json "$OUT/timeline-$n.json" >"$OUT/timeline-$n.txt" 2>&1
+    summary+=("timeline $n ($a): rc=$?")
+    grep -E "tflops|iteration_cycles|\"(epilogue|main loop|wait Q|to the next item)|Error|error" \
+      "$OUT/timeline-$n.txt" | head -24
+  done
+fi
 if has fixed; then   # decode's fixed cost per call: by KV length, split size, and against plain reads of the bytes
   python3 benchmarks/decode_fixed.py --json "$OUT/fixed.json" >"$OUT/fixed.txt" 2>"$OUT/fixed.err"
   summary+=("decode fixed cost (rc=$?)")

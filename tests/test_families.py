@@ -263,3 +263,20 @@ def test_sm90_timeline_tool_still_finds_the_consumer_loop():
         assert src.index("tli(5)") < src.index("tli(6)") < src.index("tli(3)")
         assert f"tmp_o) + {tl.ITEM_BASE} +" in src
     assert tl._stamped(render)(spec.replace(family="fa2")).source == render(spec.replace(family="fa2")).source
+
+
+def test_sm90_timeline_what_if_patches_still_apply():
+    """Each what-if of benchmarks/sm90_timeline.py (an upper bound measured on the GPU) changes exactly its
+    statement of the rendered kernel, with stamps or without; a kernel change that loses the statement stops it."""
+    from benchmarks import sm90_timeline as tl
+
+    spec = tl._spec(True, "bf16")
+    plain = render(spec).source
+    for name, (old, new) in tl.WHAT_IFS.items():
+        patched = tl._stamped(render, stamps=False, what_if=name)(spec).source
+        assert patched != plain and patched.count(new) == 1 and patched == plain.replace(old, new)
+        assert "clock64()" not in patched
+        assert tl._stamped(render, what_if=name)(spec).source.count(new) == 1
+    assert tl._stamped(render, stamps=False)(spec).source == plain
+    with pytest.raises(SystemExit, match="WHAT_IFS"):
+        tl._patched("no such kernel", "no-store")

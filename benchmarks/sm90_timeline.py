@@ -123,6 +123,11 @@ _STORE_ALL = _STORE + ("\n              *reinterpret_cast<const uint4*>(stage + 
                        "(row, c));")
 WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                                                 "(pr < it.rows_total && it.p.sm_scale_log2 < -1e30)")),
+            # no-mask: the causal mask of the diagonal tiles skipped (their hidden keys count: wrong results)
+            "no-mask": ("    if (it.tile_needs_mask(kv0)) {",
+                        "    if (it.tile_needs_mask(kv0) && it.p.sm_scale_log2 < -1e30) {"),
+            # no-rescale: O never multiplied by alpha (wrong results wherever a row max moves)
+            "no-rescale": ("      if (!rescale) return;", "      if (!rescale || it.p.sm_scale_log2 > -1e30) return;"),
             "st-cs": (_STORE_ALL, "        if (pr < it.rows_total)\n          __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n              *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}

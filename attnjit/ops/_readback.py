@@ -3,7 +3,8 @@
 Each device-to-host ``cudaMemcpyAsync`` costs the H200 host 2-4 us of API time whatever its size (RESULTS.md, run
 108: the prefill read-back of four small tensors, one copy 41.0 us, four 47.5), so tensors that lie close together
 in one device allocation (an engine's metadata slices of one buffer, or small tensors the caching allocator placed
-side by side in one segment) come back as one copy of the bytes that span them. The bytes between them are read and dropped; nothing is written.
+side by side in one segment) come back as one copy of the bytes that span them. The bytes between them are read
+and dropped; nothing is written.
 
 Safety: a span is copied only if the driver says one allocation holds all of it (``cuMemGetAddressRange`` on the
 run's first byte, whose range must reach the run's last byte), so a copy never touches unmapped memory, whatever

@@ -89,3 +89,9 @@ def test_random_layouts_cover_every_span_once_and_stay_inside_their_allocation()
                 assert all(spans[m][0] % 4 == 0 for m in members)
             else:
                 assert (s, e) == spans[members[0]]
+
+
+def test_the_gap_stays_below_a_mapping_granule():
+    """The second safety argument (module docstring): a joined span's gaps are shorter than the 2 MB granules that
+    torch's expandable segments map, so a span never holds a whole unmapped granule."""
+    assert 0 < _readback.GAP < (2 << 20)

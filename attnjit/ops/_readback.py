@@ -9,7 +9,9 @@ and dropped; nothing is written.
 Safety: a span is copied only if the driver says one allocation holds all of it (``cuMemGetAddressRange`` on the
 run's first byte, whose range must reach the run's last byte), so a copy never touches unmapped memory, whatever
 the tensors' origin (torch's allocator, a DLPack import, host-mapped memory: an address the driver does not know
-is copied alone). Where the driver cannot be asked, every tensor is its own copy, as before.
+is copied alone). And were the driver to answer with a whole virtual reservation (torch's expandable segments map
+2 MB granules into one), a span still holds only live tensors' bytes and gaps of at most GAP (64 KB) between them,
+so no unmapped granule can lie inside it. Where the driver cannot be asked, every tensor is its own copy.
 """
 
 from __future__ import annotations

@@ -508,7 +508,8 @@ class _PagedMixin:
         positive float (graph friendly: no device read) or, for an fp8 plan, a float32 [H_kv] tensor of per-KV-head
         scales on the device. As in FlashInfer they apply to any plan: k_scale multiplies the logits (lse included),
         v_scale the output (not lse); on a 16-bit plan a float v_scale is an in-place multiply of the output after
-        the kernel, as FlashInfer does it."""
+        the kernel, as FlashInfer does it. enable_pdl (FlashInfer's) is accepted and changes nothing: attnjit's
+        kernels launch without programmatic dependent launch (benchmarks/RESULTS.md, eighteenth session)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
         if q_scale is not None:

@@ -242,7 +242,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             **variant_params: Any):
         """q: [nnz_qo, H_q, D], k/v: [nnz_kv, H_kv, D] of the plan's kv_data_type -> out [nnz_qo, H_q, D] (and lse
         with return_lse). The wrapper's variant takes its parameters here by name. k_scale / v_scale: the
-        dequantization scales, as for the paged wrappers' run() (a float, or an fp8 plan's float32 [H_kv] tensor)."""
+        dequantization scales, as for the paged wrappers' run() (a float, or an fp8 plan's float32 [H_kv] tensor);
+        enable_pdl as there (accepted, no effect)."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
         variant_params = with_sinks(self._plan, variant_params, sinks)

@@ -128,6 +128,10 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                         "    if (it.tile_needs_mask(kv0) && it.p.sm_scale_log2 < -1e30) {"),
             # no-rescale: O never multiplied by alpha (wrong results wherever a row max moves)
             "no-rescale": ("      if (!rescale) return;", "      if (!rescale || it.p.sm_scale_log2 > -1e30) return;"),
+            # no-epilogue: an unsplit item's whole epilogue skipped (normalize, stage, barrier, stores, lse; no output)
+            "no-epilogue": ("    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);",
+                            "    if (it.pslot < 0 && it.p.sm_scale_log2 > -1e30) return;\n"
+                            "    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);"),
             "st-cs": (_STORE_ALL, "        if (pr < it.rows_total)\n          __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n              *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}

@@ -221,7 +221,7 @@ def readback_rows() -> dict:
             calls = []
             real_copy, raw.copy_back = raw.copy_back, lambda *a: (calls.append(a), real_copy(*a))
             meta_buf.to_host(*pre)
-            raw.copy_back = real_copy
+            del raw.copy_back   # the class's method again
             row[f"MetadataBuffers.to_host prefill B{batch}: copies"] = len(calls)   # neighbours share one
             # the same tensors in their own allocations (nothing to join): one copy each
             apart = [torch.empty(2 << 20, dtype=torch.int32, device="cuda") for _ in pre]

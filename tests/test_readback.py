@@ -95,3 +95,28 @@ def test_the_gap_stays_below_a_mapping_granule():
     """The second safety argument (module docstring): a joined span's gaps are shorter than the 2 MB granules that
     torch's expandable segments map, so a span never holds a whole unmapped granule."""
     assert 0 < _readback.GAP < (2 << 20)
+
+
+def test_readback_plan_gives_every_device_tensor_its_view():
+    """MetadataBuffers._readback_plan (no GPU needed once its buffer exists): joined tensors' views sit at their
+    offsets within their copy, an empty device tensor gets an empty view, a host tensor none; the copies' host
+    destinations follow one another in the buffer."""
+    import torch
+
+    from attnjit.ops._upload import MetadataBuffers
+
+    class Raw:   # the allocation query RawCuda makes: one allocation of 1 MB at 0x10000
+        @staticmethod
+        def allocation(ptr):
+            return (0x10000, 1 << 20) if 0x10000 <= ptr < 0x10000 + (1 << 20) else None
+
+    meta = MetadataBuffers(torch.device("cpu"), False, None)
+    meta.raw = Raw()
+    meta._readback = buf = torch.arange(4096, dtype=torch.int32)
+    key = ((0x10000 + 512, 3), None, (0x10000, 2), (0x10000 + 4, 0), (0x900000, 5))
+    copies, views = meta._readback_plan(key)
+    base = buf.data_ptr()
+    assert copies == [(base, 0x10000, 0x10000 + 524, True), (base + 524, 0x900000, 0x900000 + 20, False)]
+    assert views[1] is None and views[3].numel() == 0
+    assert views[2].tolist() == [0, 1] and views[0].tolist() == [128, 129, 130] and views[4].tolist() == list(
+        range(131, 136))

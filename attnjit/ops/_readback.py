@@ -65,7 +65,6 @@ class _Driver:
     """cuMemGetAddressRange through ctypes (CuPy does not bind it); loaded on first use."""
 
     def __init__(self):
-        self.fn = None
         name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
         try:
             lib = ctypes.CDLL(name)

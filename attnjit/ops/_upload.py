@@ -207,7 +207,8 @@ class MetadataBuffers:
         if buf is None or buf.numel() < total:
             buf = self._readback = torch.empty(max(total, 1024), dtype=torch.int32, pin_memory=True)
         base, at = buf.data_ptr(), 0
-        views: list[torch.Tensor | None] = [None if k is None else buf[:0] for k in key]
+        empty = buf[:0]   # one view for every empty device tensor (slicing costs the H200 host 3-4 us)
+        views: list[torch.Tensor | None] = [empty if k is not None and not k[1] else None for k in key]
         copies = []
         for s, e, members in runs:
             copies.append((base + 4 * at, s, e, len(members) > 1))

@@ -274,6 +274,8 @@ class Cache:
             return None, "manifest.json missing"
         except (ValueError, UnicodeDecodeError) as exc:
             return None, f"manifest.json unreadable: {exc}"
+        except RecursionError:  # "[[[[..." under the size limit: json recurses once per level
+            return None, "manifest.json unreadable: nested too deeply"
         except PermissionError as exc:
             return None, f"manifest.json unreadable: {exc.strerror}"
         if not isinstance(manifest, dict) or manifest.get("key") != key:

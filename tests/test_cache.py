@@ -420,3 +420,13 @@ def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
             assert Cache(root, layers=()).lookup(key) is None
     (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION, "cubin_sha256": digest}))
     assert cache.lookup(key).dir == d
+
+
+def test_a_manifest_nested_too_deeply_is_a_bad_entry_not_a_recursion_error(tmp_path):
+    root = tmp_path / "cache"
+    d = entry_dir(root, "ab" * 32)
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    (d / "manifest.json").write_text("[" * 100_000)  # well under the size limit
+    entry, problem = Cache(root, layers=()).read_entry(root, "ab" * 32)
+    assert entry is None and problem == "manifest.json unreadable: nested too deeply", problem

@@ -120,6 +120,8 @@ def _parse(data: bytes, spec: AttentionSpec, gpu: str) -> Record | str:
         record = Record(**raw)
     except (ValueError, TypeError, UnicodeDecodeError):
         return "not a record of this spec and GPU"
+    except RecursionError:  # "[[[[..." under the size limit: json recurses once per level
+        return "nested too deeply"
     if record.format != RECORD_FORMAT or record.gpu != gpu or record.spec != untuned(spec).canonical():
         return "not a record of this spec and GPU"
     from . import families

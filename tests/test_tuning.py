@@ -110,6 +110,15 @@ def test_a_layer_serves_records_and_untrusted_or_foreign_ones_are_ignored(tmp_pa
         assert store.lookup(spec, GPU) is None
 
 
+def test_a_record_nested_too_deeply_is_ignored_not_a_recursion_error(tmp_path):
+    store = tuning.TuningStore(Cache(tmp_path / "root", layers=()))
+    spec = AttentionSpec(**PREFILL)
+    path = store.write(_record(spec, "kv64s3"))
+    path.write_text("[" * 60_000)  # under the record's size limit
+    with pytest.warns(tuning.BadTuningRecordWarning, match=f"ignoring tuning record {path}: nested too deeply"):
+        assert store.lookup(spec, GPU) is None
+
+
 def _plan(wrapper) -> None:
     wrapper.plan(i32([0, 300]), i32([0, 19]), i32(list(range(19))), i32([12]), 32, 8, 128, 16, causal=True,
                  q_data_type=torch.bfloat16)

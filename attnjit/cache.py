@@ -321,7 +321,8 @@ class Cache:
     def iter_entries(self, bases: Iterable[Path] | None = None) -> Iterable[tuple[Path, str, Entry | None, str | None]]:
         """(base, key, entry, problem) for every entry directory under the given bases (default: all).
 
-        A shard directory that cannot be listed is one row whose key is the shard's two-hex-digit name."""
+        A shard directory that cannot be listed, or is a symlink, is one row whose key is the shard's two-hex-digit
+        name."""
         for base, name, problem in self._rows(bases):
             if problem is None:
                 yield base, name, *self.read_entry(base, name)
@@ -329,14 +330,19 @@ class Cache:
                 yield base, name, None, problem
 
     def _rows(self, bases: Iterable[Path] | None) -> Iterable[tuple[Path, str, str | None]]:
-        """(base, key, None) for every entry directory, unverified, and (base, shard, problem) for an unreadable
-        shard; each base checked as trusted first."""
+        """(base, key, None) for every entry directory, unverified, and (base, shard, problem) for an unreadable or
+        symlinked shard; each base checked as trusted first."""
         for base in (bases if bases is not None else self.search_path()):
             self._check_safe(base, self._what(base))
             if not base.is_dir():
                 continue
             for shard in sorted(base.iterdir()):
-                if not re.fullmatch(r"[0-9a-f]{2}", shard.name) or not shard.is_dir():
+                if not re.fullmatch(r"[0-9a-f]{2}", shard.name):
+                    continue
+                if shard.is_symlink():  # one row for the link itself: clear and prune must never act through it
+                    yield base, shard.name, f"untrusted: shard directory {shard} is a symlink, not a directory"
+                    continue
+                if not shard.is_dir():
                     continue
                 try:
                     names = sorted(p.name for p in shard.iterdir())

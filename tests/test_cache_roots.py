@@ -221,6 +221,18 @@ def test_clear_removes_root_entries_but_never_layers(golden, tmp_path):
     assert Cache(tmp_path / "never-made", layers=()).clear() == 0
 
 
+def test_clear_removes_a_symlinked_shard_never_what_it_points_at(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "elsewhere" / "ab" / ("ab" * 32)
+    root.mkdir(mode=0o700)
+    outside.mkdir(parents=True)
+    (outside / "keep").write_text("not the cache's")
+    (root / "ab").symlink_to(outside.parent)
+    cache = Cache(root, layers=())
+    assert cache.verify() == [(root / "ab", f"untrusted: shard directory {root / 'ab'} is a symlink, not a directory")]
+    assert cache.clear() == 1
+    assert (outside / "keep").read_text() == "not the cache's" and not os.path.lexists(root / "ab")
+
+
 # --- strict-mode messages ---------------------------------------------------------------------------------------
 
 @pytest.mark.nvcc

@@ -58,7 +58,7 @@ from .build import (CUBIN, SOURCE, STARTED, BuildEvent, Outcome, Target, first_e
 from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .toolchain import Nvcc, nvcc
 from .trust import (MAX_CUBIN_BYTES, MAX_MANIFEST_BYTES, Untrusted, check_tree_top, open_dir, ownership_problem,
-                    read_file)
+                    private_dir, read_file)
 
 CACHE_FORMAT_VERSION = 2   # 2: the nvcc version left the key and went into the manifest's "toolchain"
 MANIFEST = "manifest.json"  # beside build.py's CUBIN and SOURCE
@@ -234,7 +234,14 @@ class Cache:
             raise CacheReadOnlyError(f"cannot create cache root {self.root}: {exc.strerror or exc}") from None
         self._check_safe(self.root, "cache root")
         for sub in (".tmp", ".locks", ".trash", "failed"):
-            (self.root / sub).mkdir(mode=0o700, exist_ok=True)
+            self._work_dir(sub)
+
+    def _work_dir(self, name: str) -> Path:
+        try:
+            return private_dir(self.root / name, "cache work directory")
+        except Untrusted as exc:
+            raise UnsafeCacheError(f"{exc}; attnjit removes what it holds, so it must be the root's own: "
+                                   "remove it") from None
 
     # --- reading ------------------------------------------------------------------------------------------
 
@@ -556,8 +563,7 @@ class Cache:
                 os.chmod(path, 0o700)
             except OSError:
                 pass
-        trash = self.root / ".trash"
-        trash.mkdir(mode=0o700, exist_ok=True)
+        trash = self._work_dir(".trash")
         os.replace(path, trash / f"{path.name}-{uuid.uuid4().hex[:8]}")
 
     # --- maintenance (policy in ``maintenance``) ---------------------------------------------------------

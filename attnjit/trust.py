@@ -80,6 +80,22 @@ def check_tree_top(path: Path, what: str) -> os.stat_result | None:
     return st
 
 
+def private_dir(path: Path, what: str) -> Path:
+    """``path``, created 0700 if absent, for files that are deleted or replaced in it: a symlink, anything not a
+    directory, or a directory that is not trusted is refused, never written or cleaned through."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise Untrusted(f"{what} {path} is {_kind(st.st_mode)}, not a directory")
+    problem = ownership_problem(st, f"{what} {path}")
+    if problem:
+        raise Untrusted(problem)
+    return path
+
+
 @contextmanager
 def open_dir(name: str | Path, what: str, *, dir_fd: int | None = None, follow: bool = False) -> Iterator[int]:
     """A file descriptor of a trusted directory (``name`` relative to ``dir_fd``). FileNotFoundError if absent."""

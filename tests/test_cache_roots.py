@@ -116,6 +116,17 @@ def test_a_root_other_users_can_write_is_refused(tmp_path, mode):
         Cache(root, layers=()).build([cache_job(TINY_SOURCE, tool=FAKE_NVCC)])
 
 
+@pytest.mark.parametrize("sub", [".trash", ".tmp", ".locks", "failed"])
+def test_a_symlinked_work_directory_in_the_root_is_refused_and_its_target_untouched(tmp_path, sub):
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir(mode=0o700)
+    (outside / "build-0").mkdir(parents=True)   # what a cleaner of .trash or .tmp would remove
+    (root / sub).symlink_to(outside)
+    with pytest.raises(UnsafeCacheError, match=re.escape(f"{root / sub} is a symlink, not a directory")):
+        Cache(root, layers=()).build([cache_job(TINY_SOURCE, tool=FAKE_NVCC)])
+    assert [p.name for p in outside.iterdir()] == ["build-0"]
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775])
 def test_a_layer_other_users_can_write_is_refused(tmp_path, mode):
     layer = tmp_path / "layer"

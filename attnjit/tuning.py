@@ -100,8 +100,9 @@ class TuningStore:
 
     def write(self, record: Record) -> Path:
         spec = AttentionSpec.parse(record.spec)
+        self.cache._ensure_root()       # the root created private, a read-only one refused
+        self.cache._work_dir(DIR)       # created private; a symlink there is refused, never written through
         dest = self.path(spec, record.gpu)
-        dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:

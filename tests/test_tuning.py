@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from attnjit import families, tuning
 from attnjit.cache import Cache
+from attnjit.errors import UnsafeCacheError
 from attnjit.families import sm90
 from attnjit.ops.attention import BatchPrefillWithPagedKVCacheWrapper
 from attnjit.specs import AttentionSpec, SpecError
@@ -89,6 +91,16 @@ def test_records_are_content_addressed_and_round_trip(tmp_path, monkeypatch):
     assert "q192kv64" not in families.tunable_names(spec)
     with pytest.warns(tuning.BadTuningRecordWarning, match="tile 'q192kv64' is not a configuration attnjit tune"):
         assert store.lookup(spec, GPU) is None
+
+
+def test_a_record_is_never_written_through_a_symlinked_tuning_directory(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir(mode=0o700)
+    outside.mkdir()
+    (root / "tuning").symlink_to(outside)
+    with pytest.raises(UnsafeCacheError, match=re.escape(f"{root / 'tuning'} is a symlink, not a directory")):
+        tuning.TuningStore(Cache(root, layers=())).write(_record(AttentionSpec(**PREFILL), "kv64s3"))
+    assert list(outside.iterdir()) == []
 
 
 def test_a_layer_serves_records_and_untrusted_or_foreign_ones_are_ignored(tmp_path):

@@ -64,6 +64,13 @@ CACHE_FORMAT_VERSION = 2   # 2: the nvcc version left the key and went into the 
 MANIFEST = "manifest.json"  # beside build.py's CUBIN and SOURCE
 BATCH = 256                # keys whose locks one ninja run holds
 _KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_FIELD_TYPES = {"label": "", "created": "", "compile_seconds": 0.0, "toolchain": {}, "key_inputs": {}, "meta": {}}
+_JSON_KINDS = ((type(None), "null"), (bool, "a boolean"), (str, "a string"), ((int, float), "a number"),
+               (list, "an array"), (dict, "an object"))
+
+
+def _json_kind(value: Any) -> str:
+    return next(name for t, name in _JSON_KINDS if isinstance(value, t))
 
 
 class BadEntryWarning(UserWarning):
@@ -290,6 +297,9 @@ class Cache:
         if manifest.get("format") != CACHE_FORMAT_VERSION:
             return None, (f"cache format {manifest.get('format')} (expected {CACHE_FORMAT_VERSION}: another attnjit "
                           "version wrote it; attnjit cache prune removes bad entries first)")
+        for name, like in _FIELD_TYPES.items():  # what cache list, pack and the dispatch record read
+            if name in manifest and _json_kind(manifest[name]) != _json_kind(like):
+                return None, f"manifest.json {name} is {_json_kind(manifest[name])}, expected {_json_kind(like)}"
         try:
             image = read_file(efd, CUBIN, CUBIN, MAX_CUBIN_BYTES)
         except FileNotFoundError:

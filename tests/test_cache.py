@@ -422,6 +422,22 @@ def test_a_manifest_for_another_key_or_format_is_a_bad_entry(tmp_path):
     assert cache.lookup(key).dir == d
 
 
+@pytest.mark.parametrize("field, value, problem", [("label", None, "null, expected a string"),
+                                                  ("compile_seconds", "slow", "a string, expected a number"),
+                                                  ("toolchain", "nvcc", "a string, expected an object"),
+                                                  ("key_inputs", [], "an array, expected an object")])
+def test_a_manifest_field_of_the_wrong_type_is_a_bad_entry(tmp_path, field, value, problem):
+    """``cache list``, ``pack`` and the dispatch record read these; a wrong type is a bad entry, not a traceback."""
+    root = tmp_path / "cache"
+    d = entry_dir(root, "ab" * 32)
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    (d / "manifest.json").write_text(json.dumps({"key": "ab" * 32, "format": CACHE_FORMAT_VERSION, field: value,
+                                                 "cubin_sha256": hashlib.sha256(b"\x7fELF").hexdigest()}))
+    entry, found = Cache(root, layers=()).read_entry(root, "ab" * 32)
+    assert entry is None and found == f"manifest.json {field} is {problem}", found
+
+
 def test_a_manifest_nested_too_deeply_is_a_bad_entry_not_a_recursion_error(tmp_path):
     root = tmp_path / "cache"
     d = entry_dir(root, "ab" * 32)

@@ -59,7 +59,11 @@ def _layer_files(items: list[Packed], name: str, version: str) -> dict[str, byte
     for it in items:
         e = it.entry
         d = f"{e.key[:2]}/{e.key}"
-        if hashlib.sha256(it.source.encode("utf-8")).hexdigest() != e.manifest["key_inputs"]["source_sha256"]:
+        inputs = e.manifest.get("key_inputs", {})
+        if not isinstance(inputs.get("source_sha256"), str) or not isinstance(inputs.get("arch"), str):
+            raise ValueError(f"entry {e.dir}: its manifest.json names no key_inputs.source_sha256 and arch; nothing "
+                             "was packed")
+        if hashlib.sha256(it.source.encode("utf-8")).hexdigest() != inputs["source_sha256"]:
             raise ValueError(f"entry {e.dir}: its manifest names another source than its spec renders")
         files[f"{d}/{CUBIN}"] = e.image
         files[f"{d}/{MANIFEST}"] = json.dumps(e.manifest, indent=1, sort_keys=True).encode("utf-8")

@@ -121,6 +121,23 @@ def test_pack_refuses_to_package_a_failed_build(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_pack_refuses_an_entry_whose_manifest_names_no_source(tmp_path):
+    from attnjit import jit
+    from attnjit.cache import CACHE_FORMAT_VERSION
+
+    key = jit.job_for(MERGE_FP16).key
+    d = tmp_path / "c" / key[:2] / key
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    (d / "manifest.json").write_text(json.dumps({"key": key, "format": CACHE_FORMAT_VERSION,
+                                                 "cubin_sha256": hashlib.sha256(b"\x7fELF").hexdigest()}))
+    proc = run_cli("pack", "--spec", MERGE_FP16.as_flags(), "-o", tmp_path / "out", "--cache-dir", tmp_path / "c")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (f"attnjit: error: ValueError: entry {d}: its manifest.json names "
+                                                    "no key_inputs.source_sha256 and arch; nothing was packed")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("args,words", [
     (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16"), "the following arguments are required: -o"),
     (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "-o", "x", "--format", "zip"),

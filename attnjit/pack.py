@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.machinery
 import importlib.metadata
 import importlib.util
 import io
@@ -162,16 +163,28 @@ def pack(items: list[Packed], out_dir: Path, *, name: str, version: str,
 def _installed_layers(path_key: tuple[str, ...]) -> tuple[Path, ...]:
     found = []
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        module = ep.value.split(":")[0].strip()
-        try:
-            spec = importlib.util.find_spec(module)  # locates the package without running its code
-        except (ImportError, ValueError):
-            continue
-        if spec is not None and spec.submodule_search_locations:
-            layer = Path(list(spec.submodule_search_locations)[0]) / "layer"
-            if layer.is_dir() and layer not in found:
-                found.append(layer)
+        package = _package_dir(ep.value.split(":")[0].strip())
+        if package is not None and (package / "layer").is_dir() and package / "layer" not in found:
+            found.append(package / "layer")
     return tuple(found)
+
+
+def _package_dir(module: str) -> Path | None:
+    """Where package ``module`` is, found without running its code: importlib.util.find_spec("a.b") would import
+    ``a``, so each part below the top is looked up in its parent's directories instead."""
+    parts = module.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+        for i in range(1, len(parts)):
+            if spec is None or not spec.submodule_search_locations:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]),
+                                                            list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
 
 
 def installed_layers() -> tuple[Path, ...]:

@@ -111,6 +111,22 @@ def test_a_packed_catalog_serves_strictly_from_a_wheel_a_directory_and_a_tarball
     assert index["name"] == "tiny" and index["version"] == "2.1.0" and len(index["kernels"]) == 3
 
 
+def test_finding_a_package_layer_runs_none_of_its_code_even_under_a_dotted_name(tmp_path, monkeypatch):
+    from attnjit import pack
+
+    (tmp_path / "vendor" / "kernels" / "layer").mkdir(parents=True)
+    (tmp_path / "vendor" / "__init__.py").write_text("raise RuntimeError('vendor/__init__.py ran')\n")
+    (tmp_path / "vendor" / "kernels" / "__init__.py").write_text("raise RuntimeError('kernels/__init__.py ran')\n")
+    info = tmp_path / "vendor_kernels-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vendor-kernels\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{pack.ENTRY_POINT_GROUP}]\nv = vendor.kernels\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ATTNJIT_PACKAGES", "1")
+    assert tmp_path / "vendor" / "kernels" / "layer" in pack.installed_layers()
+    assert "vendor" not in sys.modules
+
+
 def test_pack_refuses_to_package_a_failed_build(tmp_path):
     failing = write_script(tmp_path / "nvcc", 'case " $* " in *" --version "*) echo "release 13.0, V13.0.88"; '
                                                'exit 0;; esac\necho "kernel.cu(1): error: no" >&2\nexit 2\n')

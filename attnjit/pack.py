@@ -162,10 +162,15 @@ def pack(items: list[Packed], out_dir: Path, *, name: str, version: str,
 @lru_cache(maxsize=8)
 def _installed_layers(path_key: tuple[str, ...]) -> tuple[Path, ...]:
     found = []
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        package = _package_dir(ep.value.split(":")[0].strip())
-        if package is not None and (package / "layer").is_dir() and package / "layer" not in found:
-            found.append(package / "layer")
+    for dist in importlib.metadata.distributions():
+        try:
+            eps = dist.entry_points.select(group=ENTRY_POINT_GROUP)
+        except Exception:  # noqa: BLE001 - another distribution's malformed entry_points.txt: not ours to fail on
+            continue
+        for ep in eps:
+            package = _package_dir(ep.value.split(":")[0].strip())
+            if package is not None and (package / "layer").is_dir() and package / "layer" not in found:
+                found.append(package / "layer")
     return tuple(found)
 
 

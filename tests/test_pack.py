@@ -111,20 +111,35 @@ def test_a_packed_catalog_serves_strictly_from_a_wheel_a_directory_and_a_tarball
     assert index["name"] == "tiny" and index["version"] == "2.1.0" and len(index["kernels"]) == 3
 
 
+def _installed(site: Path, dist: str, entry_points: str, monkeypatch) -> None:
+    """A distribution ``dist`` on sys.path with this entry_points.txt (kernel packages are looked for)."""
+    info = site / f"{dist}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("ATTNJIT_PACKAGES", "1")
+
+
 def test_finding_a_package_layer_runs_none_of_its_code_even_under_a_dotted_name(tmp_path, monkeypatch):
     from attnjit import pack
 
     (tmp_path / "vendor" / "kernels" / "layer").mkdir(parents=True)
     (tmp_path / "vendor" / "__init__.py").write_text("raise RuntimeError('vendor/__init__.py ran')\n")
     (tmp_path / "vendor" / "kernels" / "__init__.py").write_text("raise RuntimeError('kernels/__init__.py ran')\n")
-    info = tmp_path / "vendor_kernels-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vendor-kernels\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text(f"[{pack.ENTRY_POINT_GROUP}]\nv = vendor.kernels\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("ATTNJIT_PACKAGES", "1")
+    _installed(tmp_path, "vendor_kernels", f"[{pack.ENTRY_POINT_GROUP}]\nv = vendor.kernels\n", monkeypatch)
     assert tmp_path / "vendor" / "kernels" / "layer" in pack.installed_layers()
     assert "vendor" not in sys.modules
+
+
+def test_another_distributions_malformed_entry_points_do_not_break_finding_layers(tmp_path, monkeypatch):
+    from attnjit import pack
+    from attnjit.cache import Cache
+
+    (tmp_path / "attnjit_kernels_ok" / "layer").mkdir(parents=True)
+    _installed(tmp_path, "attnjit_kernels_ok", f"[{pack.ENTRY_POINT_GROUP}]\nok = attnjit_kernels_ok\n", monkeypatch)
+    _installed(tmp_path, "unrelated", "[console_scripts]\na line with no equals sign\n", monkeypatch)
+    assert tmp_path / "attnjit_kernels_ok" / "layer" in Cache(tmp_path / "root").layers
 
 
 def test_pack_refuses_to_package_a_failed_build(tmp_path):

@@ -14,6 +14,7 @@ Every dispatch is recorded: op, canonical spec, cache key, kernel, where the bin
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import threading
@@ -97,9 +98,26 @@ def _log_file():
         with _log_lock:
             if _log_state["file"] is not None:
                 _log_state["file"].close()
-            _log_state["file"] = open(Path(raw).expanduser(), "a", buffering=1, encoding="utf-8") if raw else None
+            _log_state["file"], _log_state["raw"] = None, None
+            _log_state["file"] = _open_log(raw) if raw else None
             _log_state["raw"] = raw
     return _log_state["file"]
+
+
+def _open_log(raw: str):
+    """ATTNJIT_LOG opened for appending, line-buffered. Opened non-blocking, so a FIFO with no reader is an error
+    at once instead of a process hung in open(); a FIFO with a reader (a shell's process substitution) works and is
+    written with blocking writes as a file is. Any path that cannot be appended to is a ValueError naming the
+    variable, raised where the first record would be written."""
+    try:
+        fd = os.open(Path(raw).expanduser(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o644)
+    except OSError as exc:
+        hint = " (a FIFO with no reader)" if exc.errno == errno.ENXIO else ""
+        raise ValueError(f"environment variable {knobs.LOG.name}={raw!r} is invalid: it cannot be opened to append "
+                         f"the dispatch record: {exc.strerror}{hint}; point it at a writable file or unset it") from None
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "a", buffering=1, encoding="utf-8")
 
 
 def _emit(record: DispatchRecord) -> None:

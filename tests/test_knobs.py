@@ -40,3 +40,48 @@ def test_a_replaced_environ_mapping_is_read_through_its_get(monkeypatch):
     monkeypatch.setattr(os, "environ", {"ATTNJIT_NATIVE": "no"})
     assert knobs._lookup("ATTNJIT_NATIVE") == "no" and knobs.NATIVE.get() is False
     assert knobs._lookup("ATTNJIT_JIT") is None and knobs.JIT.get() is True
+
+
+def _fresh_log_state(monkeypatch):
+    from attnjit import dispatch
+
+    monkeypatch.setattr(dispatch, "_log_state", {"raw": None, "file": None})
+    return dispatch
+
+
+def test_a_log_fifo_without_a_reader_is_an_error_not_a_hang(tmp_path):
+    """ATTNJIT_LOG naming a FIFO nobody reads: open() would block the process forever; it is a ValueError that names
+    the variable, at once (checked in a child process, so a regression fails by timeout instead of hanging here)."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "ATTNJIT_LOG": str(fifo)}
+    code = "from attnjit import dispatch\ntry:\n    dispatch._log_file()\nexcept ValueError as e:\n    print(e)\n"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ATTNJIT_LOG" in out.stdout and "FIFO with no reader" in out.stdout, out.stdout
+
+
+def test_a_log_fifo_with_a_reader_receives_the_records(tmp_path, monkeypatch):
+    dispatch = _fresh_log_state(monkeypatch)
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        monkeypatch.setenv("ATTNJIT_LOG", str(fifo))
+        f = dispatch._log_file()
+        f.write('{"op": "decode"}\n')
+        assert os.read(reader, 100) == b'{"op": "decode"}\n'
+        f.close()
+    finally:
+        os.close(reader)
+
+
+def test_a_log_path_that_cannot_be_appended_to_names_the_variable(tmp_path, monkeypatch):
+    dispatch = _fresh_log_state(monkeypatch)
+    monkeypatch.setenv("ATTNJIT_LOG", str(tmp_path))   # a directory
+    with pytest.raises(ValueError, match="ATTNJIT_LOG=.*cannot be opened to append"):
+        dispatch._log_file()
+    assert dispatch._log_state["file"] is None   # the next dispatch tries again (and says so again)

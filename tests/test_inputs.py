@@ -99,6 +99,9 @@ SCALARS = [
     ("pos_encoding_mode", 0, TypeError, r"pos_encoding_mode must be a string"),
     ("pos_encoding_mode", "ROPE_GPTJ", NotImplementedError, r"pos_encoding_mode='ROPE_GPTJ' is not supported"),
     ("rope_theta", 0.0, ValueError, r"rope_theta must be a positive finite number"),
+    ("sm_scale", 10 ** 400, ValueError, r"sm_scale must be a finite number, got an int of 1329 bits"),
+    ("logits_soft_cap", -10 ** 400, ValueError, r"logits_soft_cap must be a finite number, got an int of 1329 bits"),
+    ("rope_scale", 10 ** 400, ValueError, r"rope_scale must be a finite number, got an int of 1329 bits"),
     ("num_qo_heads", 32.0, TypeError, r"num_qo_heads must be an int, got float"),
     ("num_kv_heads", True, TypeError, r"num_kv_heads must be an int, got bool"),
     ("page_size", "16", TypeError, r"page_size must be an int, got str"),
@@ -111,7 +114,7 @@ SCALAR_CASES = [(kind, *s) for kind in ("paged", "decode", "ragged") for s in SC
 
 
 @pytest.mark.parametrize("kind,name,value,exc,pattern", SCALAR_CASES,
-                         ids=[f"{c[0]}-{c[1]}={c[2]!r}" for c in SCALAR_CASES])
+                         ids=[f"{c[0]}-{c[1]}={c[2]!r:.24}" for c in SCALAR_CASES])
 def test_plan_scalars(kind, name, value, exc, pattern):
     _rejects(kind, exc, pattern, **{name: value})
 

@@ -55,10 +55,13 @@ def as_int(name: str, value: Any) -> int:
 
 
 def as_real(name: str, value: Any) -> float:
-    """A Python or numpy real number (never a bool or a string) -> float."""
+    """A Python or numpy real number (never a bool or a string) -> float; an int beyond any float is a ValueError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be a finite number, got an int of {int(value).bit_length()} bits") from None
 
 
 def as_flag(name: str, value: Any, *, none: bool | None = None) -> bool:

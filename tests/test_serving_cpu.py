@@ -89,6 +89,17 @@ def test_rope_llama_is_a_builtin_variant_with_flashinfer_frequencies():
                           torch.tensor(V.rope_freqs(D, 1.0, 1e4), dtype=torch.float64), rtol=1e-6)
 
 
+@pytest.mark.parametrize("changes,named", [(dict(rope_scale=1e-40), "rope_scale=1e-40"),
+                                           (dict(rope_theta=1e-300), "rope_theta=1e-300")])
+def test_rope_frequencies_beyond_float32_are_refused(changes, named):
+    """theta^(-2f/D) / rope_scale as float32 inf (or pos * freq overflowing) would rotate q and k by NaN."""
+    w = BatchPrefillWithPagedKVCacheWrapper(ws())
+    with pytest.raises(ValueError, match=rf"{named}.*RoPE frequencies up to 2\*\*\d+.*float32"):
+        plan_prefill(w, pos_encoding_mode="ROPE_LLAMA", **changes)
+    assert w.last_plan is None
+    plan_prefill(w, **changes)  # without ROPE_LLAMA the values are unused
+
+
 def test_rope_rotates_before_a_user_query_transform_and_each_part_sees_the_transformed_pair():
     w = plan_prefill(BatchPrefillWithPagedKVCacheWrapper(ws(), variant=GAINS), pos_encoding_mode="ROPE_LLAMA")
     assert [p.name for p in w._plan.spec.variant.parts] == ["rope_llama", "gains"]

@@ -120,6 +120,16 @@ def test_plan_scalars(kind, name, value, exc, pattern):
 
 
 @pytest.mark.parametrize("kind", ["paged", "ragged"])
+@pytest.mark.parametrize("value,exc,pattern", [
+    (128.0, TypeError, r"head_dim_vo must be an int, got float"),
+    (torch.tensor([128, 128]), TypeError, r"head_dim_vo must be an int, got Tensor"),
+    (True, TypeError, r"head_dim_vo must be an int, got bool"),
+])
+def test_head_dim_vo_is_an_int_like_head_dim_qk(kind, value, exc, pattern):
+    _rejects(kind, exc, pattern, head_dim_vo=value, head_dim_qk=128)
+
+
+@pytest.mark.parametrize("kind", ["paged", "ragged"])
 def test_causal_must_be_a_bool(kind):
     _rejects(kind, TypeError, r"causal must be True or False, got str 'yes'", causal="yes")
 

@@ -97,8 +97,8 @@ def check_heads(num_qo_heads: Any, num_kv_heads: Any) -> int:
 
 
 def check_head_dims(name: str, head_dim: Any, head_dim_vo: Any = None) -> int:
-    check_head_dim(name, as_int(name, head_dim))
-    if head_dim_vo is not None and head_dim_vo != head_dim:
+    head_dim = check_head_dim(name, as_int(name, head_dim))
+    if head_dim_vo is not None and as_int("head_dim_vo", head_dim_vo) != head_dim:
         raise ValueError(f"head_dim_vo={head_dim_vo!r} must equal {name}={head_dim} (not supported yet)")
     return int(head_dim)
 

@@ -285,12 +285,23 @@ def test_plan_rejects_bad_dtype_pairs(q, kv, exc, match):
     ("1", TypeError, "got str"), (torch.ones(H_KV, dtype=torch.float16), TypeError, "float32 tensor"),
     (torch.ones(H_KV + 1), ValueError, r"shape \[8\]"), (torch.ones(1, H_KV), ValueError, r"shape \[8\]"),
     (torch.ones(2 * H_KV)[::2], ValueError, "contiguous"),
+    pytest.param(10 ** 400, ValueError, "finite number, got an int of 1329 bits", id="10**400"),
+    (1e39, ValueError, "float32 range"),
+    (1e-39, ValueError, "float32 range"),
 ])
 def test_run_rejects_bad_scales_by_name(name, value, exc, match):
     w = _decode()
     q, cache = _inputs()
     with pytest.raises(exc, match=rf"^{name} .*{match}"):
         w.run(q, cache, **{name: value})
+
+
+def test_a_float_k_scale_must_keep_the_logit_scale_in_float32():
+    """k_scale multiplies sm_scale * log2(e) in the float32 parameter struct: the product must fit it too."""
+    w = _decode()
+    q, cache = _inputs()
+    with pytest.raises(ValueError, match=r"^k_scale=5e-38 times the plan's sm_scale \* log2\(e\) .* float32"):
+        w.run(q, cache, k_scale=5e-38)
 
 
 def test_good_scales_fill_the_parameter_struct():

@@ -17,6 +17,7 @@ from ..generator import PARAMS
 from ..specs import AttentionSpec
 from ._common import check_no_overlap, check_tensor, check_vectors
 from ._variants import Binding, check_value
+from .planner import _F32_MAX, _F32_TINY, as_real
 from .scheduler import WorkPlan
 
 
@@ -141,9 +142,12 @@ def _scale(name: str, value: Any, plan: Plan, device: torch.device) -> float | t
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float or a float32 [H_kv] tensor, got {type(value).__name__}")
-    value = float(value)
+    value = as_real(name, value)
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a positive finite number (the cache holds value / {name}), got {value}")
+    if not _F32_TINY <= value <= _F32_MAX:   # the kernels hold it (or its product with the logit scale) in float32
+        raise ValueError(f"{name} must be within the float32 range the kernels compute in "
+                         f"({_F32_TINY:.3g} .. {_F32_MAX:.3g}), got {value!r}")
     return value
 
 
@@ -157,6 +161,9 @@ def kv_scales(plan: Plan, device: torch.device, k_scale: Any, v_scale: Any) -> f
         vals[_SM], vals[_KS], vals[_VS], vals[_VSV] = plan.sm_scale_log2, 0, 0, 1.0
         return None
     ks, vs = _scale("k_scale", k_scale, plan, device), _scale("v_scale", v_scale, plan, device)
+    if isinstance(ks, float) and not _F32_TINY <= plan.sm_scale_log2 * ks <= _F32_MAX:
+        raise ValueError(f"k_scale={ks!r} times the plan's sm_scale * log2(e) ({plan.sm_scale_log2:.4g}) is "
+                         f"{plan.sm_scale_log2 * ks:.4g}, outside the float32 range of the kernels' logit scale")
     vals[_SM] = plan.sm_scale_log2 * ks if isinstance(ks, float) else plan.sm_scale_log2
     vals[_KS] = ks.data_ptr() if isinstance(ks, torch.Tensor) else 0
     vals[_VS] = vs.data_ptr() if isinstance(vs, torch.Tensor) else 0

@@ -175,6 +175,15 @@ def test_the_sink_wrapper_takes_sinks_and_sm_scale_as_flashinfer_does():
         plan_prefill(w, sinks=False)
 
 
+@pytest.mark.parametrize("sm_scale", [1e39, 1e-45])
+def test_the_sink_wrappers_run_sm_scale_must_fit_float32_as_plans_does(sm_scale):
+    q, cache = inputs()
+    w = plan_prefill(BatchAttentionWithAttentionSinkWrapper(ws()), sm_scale=0.5)
+    with pytest.raises(ValueError, match=r"^sm_scale=.* is outside the float32 range"):
+        w.run(q, cache, torch.zeros(H_Q), sm_scale)
+    assert math.isclose(w._plan.sm_scale_log2, 0.5 * math.log2(math.e), rel_tol=1e-12)
+
+
 def test_a_failed_replan_leaves_the_sink_wrappers_last_plan_and_its_scale_whole():
     q, cache = inputs()
     w = plan_prefill(BatchAttentionWithAttentionSinkWrapper(ws()), sm_scale=0.5)

@@ -18,7 +18,6 @@ ignored them would return plain attention). This wrapper is FlashInfer's spellin
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -79,7 +78,6 @@ class BatchAttentionWithAttentionSinkWrapper(BatchPrefillWithPagedKVCacheWrapper
         plan = self._plan
         if plan is not None:  # FlashInfer takes the softmax scale per call: it is a kernel parameter, not code
             scale = plan.settings["sm_scale"] if sm_scale is None else P.as_real("sm_scale", sm_scale)
-            if not (math.isfinite(scale) and scale > 0):
-                raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+            P._f32_positive("sm_scale", scale, scale * _LOG2E)   # plan()'s rule: the struct holds it in float32
             plan.sm_scale_log2 = scale * _LOG2E  # the struct's field, from run()'s kv_scales (times a float k_scale)
         return super().run(q, paged_kv_cache, sinks=sinks, **kwargs)

@@ -351,6 +351,16 @@ def test_run_variant_tensor_parameters_must_be_dense():
         w.run(**inputs, head_scale=torch.ones(33)[1:])  # an offset view: the kernel reads it one float at a time
 
 
+def test_run_variant_float_parameters_beyond_any_float_are_named():
+    from tests.gpu.cases import USER_SIGMOID
+
+    w = BatchPrefillWithPagedKVCacheWrapper(workspace(), variant=USER_SIGMOID)
+    w.plan(**paged_args())
+    with pytest.raises(ValueError, match=r"^variant 'user_sigmoid': parameter 'scale' must be a finite number, got "
+                                         r"an int of 1329 bits"):
+        w.run(**_run_inputs("paged", w._plan), scale=10 ** 400, bias=0.0)
+
+
 # --- append and merge: checked on the host, then attnjit's own no-GPU error ---------------------------------
 
 def _append_args(**changes):

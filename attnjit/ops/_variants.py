@@ -10,7 +10,7 @@ import torch
 
 from .. import variants as V
 from ..variants import TensorParam, Variant
-from .planner import _F32_MAX, INT32_MAX
+from .planner import _F32_MAX, INT32_MAX, as_real
 
 _TORCH_DTYPE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
@@ -169,7 +169,7 @@ def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: t
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{where} must be a float, got {type(value).__name__}")
-        value = float(value)
+        value = as_real(where, value)   # an int beyond any float: a ValueError
         if math.isfinite(value) and abs(value) > _F32_MAX:
             raise ValueError(f"{where}={value!r} does not fit the kernel's float32 (|x| <= {_F32_MAX:.4g})")
         return value

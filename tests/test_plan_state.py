@@ -213,3 +213,19 @@ def test_fast_plan_checks_what_plan_checks():
     with pytest.raises(ValueError, match=r"page table uses page id \d+ but the cache of the last run\(\) .* has 400"):
         w.fast_plan(indptr, i32([1, 2, 999, 3]), last)
     w.fast_plan(indptr, ids, last)  # still usable after the refusals
+
+
+def test_a_refused_run_does_not_change_the_cache_a_replay_reads():
+    """fast_plan() ranges page ids against the cache of the last run() that passed its checks (what the captured
+    graph reads); a run() refused for another argument does not move that bound."""
+    opts = dict(num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16, q_data_type=torch.bfloat16)
+    w = BatchDecodeWithPagedKVCacheWrapper(workspace(), use_cuda_graph=True)
+    indptr, ids, last = _decode_tables([5, 40])
+    w.plan(indptr, ids, last, **opts)
+    q = torch.zeros(2, 32, 128, dtype=torch.bfloat16)
+    with pytest.raises(NoGPUError):
+        w.run(q, torch.zeros(400, 2, 16, 8, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^run\(\): q must be"):
+        w.run(q[:1], torch.zeros(1000, 2, 16, 8, 128, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"page table uses page id 999 but the cache of the last run\(\) .* has 400"):
+        w.fast_plan(indptr, i32([1, 2, 999, 3]), last)

@@ -451,11 +451,13 @@ class _AttentionWrapper(FlashInferAliases):
         return (out, lse) if return_lse else out
 
     def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
-                    stride0: int, stride1: int, kv_rows: int = 0):
+                    stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False):
         """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch.
         kv_rows: the KV operand's pages (paged) or tokens (ragged), for its TMA descriptors."""
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         post = kv_scales(plan, self._device, k_scale, v_scale)
+        if paged and self._use_cuda_graph:  # every argument passed: this cache is what a replay reads (fast_plan)
+            self._graph_num_pages = kv_rows
         self._require_gpu(plan)
         launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse, kv_rows)
         if plan.merge_table is not None:  # a deferred plan: the kernel wrote partial states only; merged into the
@@ -526,7 +528,7 @@ class _PagedMixin:
                              f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
-                                cache.stride_page, cache.stride_inner, cache.num_pages)
+                                cache.stride_page, cache.stride_inner, cache.num_pages, paged=True)
 
     _op_kind = "paged"
 
@@ -549,8 +551,6 @@ class _PagedMixin:
         if plan.max_page >= cache.num_pages:
             raise ValueError(f"run(): the plan's page table uses page id {plan.max_page} but paged_kv_cache has "
                              f"{cache.num_pages} pages")
-        if self._use_cuda_graph:
-            self._graph_num_pages = cache.num_pages
         if tensor:
             self._cache_memo = (paged_kv_cache, plan, cache, memory)
         return cache

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from . import planner as P
@@ -130,12 +131,13 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
                 raise NotImplementedError(
                     f"pos_encoding_mode={pos_encoding_mode!r} with {n} cascade levels: positions inside a level are "
                     "that level's, not the request's; apply RoPE/ALiBi to q and k before attention")
-            if window_left is not None and window_left != -1:
+            if window_left is not None and P.as_int("window_left", window_left) != -1:
                 raise NotImplementedError(
                     f"window_left={window_left} with {n} cascade levels: a window is measured against each level's "
                     "own keys, not the request's; use one level (the paged prefill wrapper) for windowed layers")
         for key in ("sinks", "custom_mask", "packed_custom_mask"):
-            if kwargs.get(key) not in (None, False):
+            value = kwargs.get(key)   # "is": a tensor compared with == is elementwise
+            if not (value is None or isinstance(value, (bool, np.bool_)) and not value):
                 raise NotImplementedError(f"{key} is not supported by the cascade wrapper")
         self._plan = None
         rows = None

@@ -413,6 +413,18 @@ def test_append_accepts_views_it_reads_right(changes):
         attnjit.append_paged_kv_cache(**_append_args(**changes), check=True)
 
 
+@pytest.mark.parametrize("indptr,seq_lens,nnz,pattern", [
+    ([0, 2, 3], [6, 1], 5, r"^nnz=5 must equal append_indptr\[-1\]=3"),
+    ([0, 3, 2], [6, 1], 2, r"^append_indptr must be non-decreasing"),
+    ([1, 2, 3], [6, 1], 3, r"^append_indptr\[0\] must be 0, got 1"),
+    ([0, 2, 3], [1, 1], 3, r"^seq_lens\[0\]=1 is less than the 2 tokens request 0 appends"),
+    ([], [], 0, r"^append_indptr must have batch_size \+ 1 >= 1 elements, got an empty tensor"),
+])
+def test_batch_indices_positions_checks_host_metadata(indptr, seq_lens, nnz, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        attnjit.get_batch_indices_positions(i32(indptr), i32(seq_lens), nnz)
+
+
 def _state(rows=5, heads=2, dim=64, layout="contiguous"):
     return _view((rows, heads, dim), torch.float16, layout), torch.zeros(rows, heads)
 

@@ -22,13 +22,27 @@ def get_batch_indices_positions(append_indptr: torch.Tensor, seq_lens: torch.Ten
 
     append_indptr: [B+1] int32 (new tokens per request), seq_lens: [B] int32 (KV length after the append),
     nnz = append_indptr[-1]. Token t of request b (t counted from append_indptr[b]) gets position
-    seq_lens[b] - (append_indptr[b+1] - append_indptr[b]) + t. No host synchronization.
+    seq_lens[b] - (append_indptr[b+1] - append_indptr[b]) + t. No host synchronization: device metadata is taken
+    as it is; host metadata is checked (append_indptr an indptr, nnz its last entry, seq_lens >= each count).
     """
     dev = append_indptr.device
     check_metadata("append_indptr", append_indptr, dev)
+    if append_indptr.numel() < 1:
+        raise ValueError("append_indptr must have batch_size + 1 >= 1 elements, got an empty tensor")
     check_metadata("seq_lens", seq_lens, dev, append_indptr.numel() - 1)
     if type(nnz) is not int or not 0 <= nnz <= INT32_MAX:
         raise ValueError(f"nnz must be a non-negative int32 (append_indptr[-1]), got {nnz!r}")
+    if dev.type == "cpu":   # read without a synchronization
+        ptr = append_indptr.numpy().astype(np.int64)
+        check_indptr("append_indptr", ptr)
+        if ptr[-1] != nnz:
+            raise ValueError(f"nnz={nnz} must equal append_indptr[-1]={int(ptr[-1])}")
+        counts_h, lens = np.diff(ptr), seq_lens.numpy()
+        short = np.flatnonzero(lens < counts_h)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"seq_lens[{i}]={int(lens[i])} is less than the {int(counts_h[i])} tokens request {i} "
+                             "appends (append_indptr); seq_lens is the KV length after the append")
     batch = seq_lens.numel()
     counts = append_indptr[1:] - append_indptr[:-1]
     batch_indices = torch.repeat_interleave(torch.arange(batch, dtype=torch.int32, device=dev), counts,

@@ -361,6 +361,17 @@ def test_run_variant_float_parameters_beyond_any_float_are_named():
         w.run(**_run_inputs("paged", w._plan), scale=10 ** 400, bias=0.0)
 
 
+@pytest.mark.parametrize("name,good,bad,pattern", [("causal", True, 1, r"causal must be True or False, got int"),
+                                                    ("window_left", 1, True, r"window_left must be an int, got bool")])
+def test_a_cached_single_plan_is_not_reused_for_an_equal_value_of_another_type(name, good, bad, pattern):
+    """single_prefill caches its plan per options: True == 1, so the key holds the types too."""
+    q, k = torch.zeros(4, 8, 64, dtype=torch.float16), torch.zeros(6, 2, 64, dtype=torch.float16)
+    with pytest.raises(NoGPUError):
+        attnjit.single_prefill_with_kv_cache(q, k, k, **{name: good})
+    with pytest.raises(TypeError, match=pattern):
+        attnjit.single_prefill_with_kv_cache(q, k, k, **{name: bad})
+
+
 # --- append and merge: checked on the host, then attnjit's own no-GPU error ---------------------------------
 
 def _append_args(**changes):

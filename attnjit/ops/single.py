@@ -39,7 +39,8 @@ def _planned(q: torch.Tensor, k: torch.Tensor, *, variant, cached: bool, backend
     key = None
     if cached and variant is None and plan_kw.get("custom_mask") is None and plan_kw.get("packed_custom_mask") is None:
         key = (q.device, q.shape[0], k.shape[0], q.shape[1], k.shape[1], q.shape[2], q.dtype, k.dtype, backend,
-               tuple(sorted((n, v) for n, v in plan_kw.items() if not isinstance(v, torch.Tensor))))
+               tuple(sorted((n, type(v), v) for n, v in plan_kw.items() if not isinstance(v, torch.Tensor))))
+        # the types too: True == 1, and a plan made for one must not serve the other (which plan() may refuse)
         try:
             wrapper = _PLANS.pop(key)
             _PLANS[key] = wrapper   # most recently used last

@@ -282,6 +282,12 @@ def test_run_rejects_an_out_whose_elements_overlap_and_a_strided_lse():
         w.run(**inputs, return_lse="yes")
 
 
+def test_run_window_left_is_an_int():
+    w, plan = _planned("paged")
+    with pytest.raises(TypeError, match=r"^window_left must be an int, got Tensor"):
+        w.run(**_run_inputs("paged", plan), window_left=torch.tensor([5, 5]))
+
+
 @pytest.mark.parametrize("layout", VIEWS_OK + list(VIEWS_BAD))
 def test_run_ragged_kv_views(layout):
     w, plan = _planned("ragged")

@@ -523,9 +523,10 @@ class _PagedMixin:
             k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
             return self._run_compiled(q, k, v, out, lse, return_lse, variant_params, k_scale, v_scale)
         plan = self._current_plan(variant_params, return_lse, lse)
-        if window_left is not None and window_left != plan.binding.bound.get("window_left", -1):
+        planned = plan.binding.bound.get("window_left", -1)
+        if window_left is not None and P.as_int("window_left", window_left) != planned:
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
-                             f"({plan.binding.bound.get('window_left', -1)}); pass window_left to plan()")
+                             f"({planned}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
                                 cache.stride_page, cache.stride_inner, cache.num_pages, paged=True)

@@ -22,7 +22,7 @@ from .build import restore_signals
 from .cache import Cache, dir_bytes
 from .pack import FORMATS
 from .errors import AttnjitError, CatalogError
-from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog
+from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog, read_bounded
 
 
 def _err(msg: str) -> None:
@@ -372,7 +372,10 @@ def cmd_catalog(args) -> int:
     specs: list[AttentionSpec] = []
     path = Path(args.log)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_bounded(path).decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        _err(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})")
+        return 1
     except OSError as exc:
         _err(f"cannot read {path}: {exc.strerror or exc}")
         return 1

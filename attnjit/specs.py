@@ -30,6 +30,7 @@ MAX_PAGE_SIZE = 1024  # any size from 1 (not only powers of two): page_size is a
 MAX_GROUP_SIZE = 64
 DEFAULT_ARCH = "sm_90a"
 MAX_CATALOG_SPECS = 100_000   # a catalog that expands to more is refused (with its count) unless asked for
+MAX_TEXT_BYTES = 64 << 20     # a catalog or dispatch log read from a path: more is refused, not read into memory
 
 _ARCH_RE = re.compile(r"^sm_(\d{2,3})(a?)$")
 
@@ -317,6 +318,17 @@ def _product_text(table: dict[str, Any]) -> str:
     return " x ".join(f"{n} {k}" for k, n in lists) or "no lists"
 
 
+def read_bounded(path: Path) -> bytes:
+    """The bytes of a file the user named (a pipe or process substitution too: read to its end), at most
+    MAX_TEXT_BYTES: an endless source (/dev/zero) or a huge file is an OSError saying so, not the process's memory."""
+    max_bytes = MAX_TEXT_BYTES
+    with open(path, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise OSError(f"more than {max_bytes} bytes (a catalog or dispatch log is far smaller)")
+    return raw
+
+
 def load_catalog(path: str | Path, *, arch: str | None = None,
                  max_specs: int = MAX_CATALOG_SPECS) -> list[AttentionSpec]:
     """Read a TOML catalog (``[[spec]]`` tables) into specs, de-duplicated, in file order.
@@ -328,7 +340,7 @@ def load_catalog(path: str | Path, *, arch: str | None = None,
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path)
     except OSError as exc:
         raise CatalogError(path, None, None, f"cannot read: {exc.strerror or exc}") from None
     try:

@@ -308,6 +308,11 @@ def test_catalog_from_a_bad_log_names_the_line(tmp_path):
     assert line.startswith(f"attnjit: error: {log}:3: not a dispatch record")
     proc = run_cli("catalog", "from-log", tmp_path / "absent.jsonl")
     assert proc.returncode == 1 and "cannot read" in error_lines(proc.stderr)[0]
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    proc = run_cli("catalog", "from-log", binary)
+    assert proc.returncode == 1
+    assert error_lines(proc.stderr) == [f"attnjit: error: {binary}: not UTF-8 text (invalid start byte at byte 0)"]
 
 
 def test_ncu_source_summary_splits_samples_by_region_and_execution_count(tmp_path):

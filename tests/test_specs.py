@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -316,6 +317,28 @@ def test_toml_syntax_error_reports_the_line(tmp_path):
 def test_missing_catalog_file_is_a_catalog_error(tmp_path):
     with pytest.raises(CatalogError, match=r"nope\.toml: cannot read"):
         load_catalog(tmp_path / "nope.toml")
+
+
+def test_endless_or_huge_catalog_is_refused_without_reading_it_all(tmp_path, monkeypatch):
+    """/dev/zero never ends: load_catalog reads at most MAX_TEXT_BYTES + 1 bytes and says so (a CatalogError), not
+    the process's memory; a pipe with a writer (a shell's process substitution) is read to its end as before."""
+    import threading
+
+    import attnjit.specs as S
+
+    monkeypatch.setattr(S, "MAX_TEXT_BYTES", 1 << 16)
+    with pytest.raises(CatalogError, match=r"cannot read: more than 65536 bytes"):
+        load_catalog("/dev/zero")
+    fifo = tmp_path / "catalog.fifo"
+    os.mkfifo(fifo)
+    text = '[[spec]]\nop = "decode"\nhead_dim = 128\npage_size = 16\ndtype = "bf16"\n'
+    writer = threading.Thread(target=lambda: fifo.write_text(text))
+    writer.start()
+    try:
+        specs = load_catalog(fifo, arch="sm_80")
+    finally:
+        writer.join(timeout=10)
+    assert [(s.op, s.head_dim_qk, s.page_size) for s in specs] == [("decode", 128, 16)]
 
 
 @pytest.mark.parametrize("name,count", [("default.toml", 47), ("ci.toml", 5), ("bench.toml", 73)])

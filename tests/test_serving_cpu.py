@@ -89,6 +89,23 @@ def test_rope_llama_is_a_builtin_variant_with_flashinfer_frequencies():
                           torch.tensor(V.rope_freqs(D, 1.0, 1e4), dtype=torch.float64), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["NONE", "ROPE_LLAMA", "ALIBI"])
+@pytest.mark.parametrize("rope", [{}, dict(rope_scale=2.5, rope_theta=5e5), dict(rope_scale=8.0)])
+@pytest.mark.parametrize("sm_scale", [None, 0.3])
+def test_the_logit_scale_is_the_same_whatever_the_position_encoding(mode, rope, sm_scale):
+    """A RoPE range check once reused the name of the logit scale: every ROPE_LLAMA plan then ran with sm_scale =
+    rope_scale (1.0, not 1/sqrt(D)), a silent wrong answer on the GPU the CPU tests did not see. The plan's logit
+    scale is sm_scale (default 1/sqrt(D)) times log2(e), whatever pos_encoding_mode, rope_scale and rope_theta."""
+    expect = (0.3 if sm_scale is not None else 1.0 / math.sqrt(D)) * math.log2(math.e)
+    w = BatchPrefillWithPagedKVCacheWrapper(ws())
+    plan_prefill(w, pos_encoding_mode=mode, sm_scale=sm_scale, **rope)
+    assert w._plan.sm_scale_log2 == pytest.approx(expect, rel=1e-12)
+    d = BatchDecodeWithPagedKVCacheWrapper(ws())
+    d.plan(i32([0, 2, 3, 6]), i32(SEED["paged_kv_indices"]), i32([2, 2, 1]), H_Q, H_KV, D, PS,
+           pos_encoding_mode=mode, sm_scale=sm_scale, **rope)
+    assert d._plan.sm_scale_log2 == pytest.approx(expect, rel=1e-12)
+
+
 @pytest.mark.parametrize("changes,named", [(dict(rope_scale=1e-40), "rope_scale=1e-40"),
                                            (dict(rope_theta=1e-300), "rope_theta=1e-300")])
 def test_rope_frequencies_beyond_float32_are_refused(changes, named):

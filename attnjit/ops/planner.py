@@ -192,10 +192,10 @@ def plan_options(*, head_dim: int, sm_scale: Any = None, logits_soft_cap: Any = 
             raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         rope[name] = x
     if pos_encoding_mode == "ROPE_LLAMA":  # freqs theta^(-2f/D) / scale (f < D/2); the kernel's angle pos * freq
-        scale, theta = rope["rope_scale"], rope["rope_theta"]   # is float32, for positions up to MAX_KV_LEN
-        top = max(0.0, -(head_dim - 2) / head_dim * math.log2(theta)) - math.log2(scale)
+        r_scale, theta = rope["rope_scale"], rope["rope_theta"]   # is float32, for positions up to MAX_KV_LEN
+        top = max(0.0, -(head_dim - 2) / head_dim * math.log2(theta)) - math.log2(r_scale)
         if top > math.log2(_F32_MAX / MAX_KV_LEN):
-            raise ValueError(f"rope_scale={scale!r} with rope_theta={theta!r} gives RoPE frequencies up to "
+            raise ValueError(f"rope_scale={r_scale!r} with rope_theta={theta!r} gives RoPE frequencies up to "
                              f"2**{top:.0f}: the angle position x frequency (positions up to {MAX_KV_LEN}) overflows "
                              "float32; rope_scale and rope_theta must keep every frequency <= "
                              f"{_F32_MAX / MAX_KV_LEN:.3g}")

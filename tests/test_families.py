@@ -7,12 +7,14 @@ from __future__ import annotations
 import re
 import subprocess
 import tomllib
+from collections import Counter
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
 
 from attnjit import families
+from attnjit import variants as V
 from attnjit.families import fa2, sm90
 from attnjit.generator import INCLUDE_DIR, TEMPLATE_DIR, render
 from attnjit.specs import AttentionSpec, SpecError
@@ -141,6 +143,31 @@ def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dt
     # the attribute call: RESULTS.md, run 68), which Tile.smem and the traits' static_assert do not see
     static = sum(int(n) for n in re.findall(r"(\d+) bytes smem", log))
     assert static + sm90.tiles(spec)[0].smem <= 227 * 1024, static
+
+
+@pytest.mark.nvcc
+def test_sm90_kv128_runs_a_narrow_last_tile():
+    """The kv128 kernel at head_dim 128 holds the narrow last tile (Consumer::narrow_last): its own S alone (8
+    HGMMA over the head dim) and a P V of 4 k-slices, beside the 8 + 8 of the first S and the loop's S, and the 8 + 8
+    of the loop's P V and the last one alone: 44 HGMMA 64x128x16 in all (32 without it), and no other shape."""
+    from benchmarks import sm90_sass as ss
+
+    shapes = Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", ss.sass_of(ss.spec_for())))
+    assert shapes == {"64x128x16": 3 * 8 + 2 * 8 + 4}, shapes
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("variant", [V.SOFTCAP, V.SLIDING_WINDOW, V.ALIBI, V.CUSTOM_MASK, V.SIGMOID, V.ROPE_LLAMA,
+                                     V.SINK], ids=lambda v: v.name)
+def test_sm90_variant_kernels_keep_the_wgmma_pipelined_without_spills(tmp_path, variant):
+    """Each built-in variant's sm90 kernel (causal, page 16, bf16) keeps its wgmma pipelined (ptxas serializes them
+    all when the consumers' registers run short: a narrow last tile with its own S shape did that to five of these)
+    and spills nothing."""
+    spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4,
+                         family="sm90", arch="sm_90a", variant=variant)
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
+    assert "serialized" not in log, log
+    assert_no_spills(log, sass, f"the sm90 kernel of {variant.name}")
 
 
 @pytest.mark.nvcc

@@ -5,7 +5,9 @@ tile is whole boxes (``attnjit/tma.py``, ``sm90/tma.cuh``), else with cp.async, 
 tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent. The tile
 configuration ``q192kv64`` has three consumers (192-row items, 64-token K/V tiles; head_dim 64 and 128 over a
 16-bit cache), taking turns at the tensor cores in a ring. ``kv160`` and ``kv176q1`` have wider K/V tiles; the
-default module also holds ``kv176q1`` and plan() runs it for batches of long requests (``choose_tile``).
+default module also holds ``kv176q1`` and plan() runs it for batches of long requests (``choose_tile``). An item's
+last K/V tile whose visible keys fit in its first 64 columns (the causal diagonal of a short q tile, a short tail)
+runs its softmax and P V over those columns only (``Sm90Traits::NARROW``, kv128 tiles).
 
 An fp8 cache (e4m3, e5m2) is copied as stored into the fp16 tiles it becomes and converted there by the producer
 (``sm90/producer.cuh``); the wgmma then run in fp16, a bf16 q rescaled per row into fp16 by the consumers.

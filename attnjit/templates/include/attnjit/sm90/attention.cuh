@@ -78,15 +78,18 @@ struct Consumer {
     wgmma_commit();
   }
 
-  // O += P V over the tile's kv rows: N/16 k-slices, V MN-major (rows are kv tokens, 64-column blocks KV_STEP apart).
+  // O += P V over the tile's first NN kv rows: NN/16 k-slices, V MN-major (rows are kv tokens, 64-column blocks
+  // KV_STEP apart).
+  template <int NN = N>
   __device__ __forceinline__ void issue_pv(int stage) {
     const uint64_t b0 = smem_desc(smem_u32(sm.v(stage)), Tr::KV_STEP, 1024);
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], b0 + ((kk * 16 * 128) >> 4));
+    for (int kk = 0; kk < NN / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], b0 + ((kk * 16 * 128) >> 4));
     wgmma_commit();
   }
 
-  // Logits hooks and masks, then the online softmax of tile `tile` in place (S becomes P, fp32).
+  // Logits hooks and masks, then the online softmax of tile `tile`'s first NN columns in place (S becomes P, fp32).
+  template <int NN = N>
   __device__ __forceinline__ void softmax(int tile, float scale2) {
     const int kv0 = it.kv_begin + tile * N;
     const int col0 = kv0 + 2 * (lane % 4);  // this thread's first column; block j adds 8j, element e adds e
@@ -98,7 +101,7 @@ struct Consumer {
         const float sm_r = Tr::Q_TO_HALF ? sm_scale * qinv[r] : sm_scale;
         const float rel_r = float(col0 - it.q_pos_of(pr));  // rel_pos of column col0; one I2F per row, not per logit
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < NN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e)
             s[4 * j + 2 * r + e] = it.var.logits_transform(s[4 * j + 2 * r + e] * sm_r, s[4 * j + 2 * r + e], sm_r,
@@ -113,7 +116,7 @@ struct Consumer {
         const int pr = it.packed_row0 + row0 + 8 * r;
         const int last = it.last_visible(pr / Tr::GROUP) - col0;  // the last visible column, relative to col0
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < NN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             bool hidden = 8 * j + e > last;
@@ -126,7 +129,7 @@ struct Consumer {
     }
     if constexpr (!V::USE_SOFTMAX) {  // the transformed logit is the weight; hidden keys weigh 0
 #pragma unroll
-      for (int i = 0; i < N / 2; ++i)
+      for (int i = 0; i < NN / 2; ++i)
         if (s[i] == neg_inf()) s[i] = 0.f;
       return;
     } else {
@@ -137,7 +140,7 @@ struct Consumer {
         const float sc = V::HAS_LOGITS_TRANSFORM ? kLog2e : Tr::Q_TO_HALF ? scale2 * qinv[r] : scale2;
         float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
+        for (int j = 0; j < NN / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));
         raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 1));
         raw = fmaxf(raw, __shfl_xor_sync(0xffffffffu, raw, 2));
         float mx;
@@ -153,7 +156,7 @@ struct Consumer {
         m[r] = mx;
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < N / 8; ++j)
+        for (int j = 0; j < NN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float x = fast_exp2(fmaf(s[4 * j + 2 * r + e], sc, -m_safe));
@@ -180,9 +183,10 @@ struct Consumer {
   }
 
   // P (fp32 in s) -> the A fragments of P V: k-slice kk holds columns 16kk .. 16kk+15 = S blocks 2kk, 2kk+1.
+  template <int NN = N>
   __device__ __forceinline__ void pack_p() {
 #pragma unroll
-    for (int kk = 0; kk < N / 16; ++kk) {
+    for (int kk = 0; kk < NN / 16; ++kk) {
       pf[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
       pf[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
       pf[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
@@ -239,26 +243,29 @@ struct Consumer {
     issue_qk(kr.stage);
   }
   // O += P V of the ring's current V tile (whose data has arrived: wait_full), in a turn already taken.
+  template <int NN = N>
   __device__ __forceinline__ void pv_issue(const Ring<Tr::NUM_STAGES>& vr) {
     wgmma_fence();
-    issue_pv(vr.stage);
+    issue_pv<NN>(vr.stage);
   }
 
-  // S(j) alone in a turn, then its softmax: P(j) packed for P V.
+  // S(j) alone in a turn, then its softmax over its first NN columns: P(j) packed for P V.
+  template <int NN = N>
   __device__ __forceinline__ void s_alone(Ring<Tr::NUM_STAGES>& kr, int j, float scale2) {
     qk_turn(kr, j);
     pass_turn();
     wgmma_wait<0>();
     done_with_k(kr);
-    softmax(j, scale2);
-    pack_p();
+    softmax<NN>(j, scale2);
+    pack_p<NN>();
   }
   // P V of the packed P alone in a turn (O rescaled by that tile's alpha first).
+  template <int NN = N>
   __device__ __forceinline__ void pv_alone(Ring<Tr::NUM_STAGES>& vr) {
     rescale_o();
     wait_full(sm.v_full(vr.stage), vr.phase);
     take_turn();
-    pv_issue(vr);
+    pv_issue<NN>(vr);
     pass_turn();
     wgmma_wait<0>();
     done_with_v(vr);
@@ -273,26 +280,46 @@ struct Consumer {
     }
   }
 
-  // The item's kv tiles: S(j) and P(j-1) V(j-1) issued together; the softmax of S(j) runs under P(j-1) V(j-1).
+  // Whether the item's last tile runs narrow: its visible keys (those below kv_stop) all lie in its first
+  // Tr::NARROW columns. Warp-uniform (from num_tiles, which is, and the record's fields, the same in every lane).
+  __device__ __forceinline__ bool narrow_last() const {
+    if constexpr (Tr::NARROW == 0) {
+      return false;
+    } else {
+      const bool narrow = it.num_tiles > 0 && it.kv_stop - (it.kv_begin + (it.num_tiles - 1) * N) <= Tr::NARROW;
+      return __shfl_sync(0xffffffffu, narrow, 0);
+    }
+  }
+
+  // The item's kv tiles: S(j) and P(j-1) V(j-1) issued together; the softmax of S(j) runs under P(j-1) V(j-1). A
+  // narrow last tile (narrow_last) runs after the others, alone in its turns at Tr::NARROW columns.
   __device__ __forceinline__ void mainloop(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
     if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
-    const int n = it.num_tiles;
-    if (n == 0) return;
-    s_alone(kr, 0, scale2);
-    for (int j = 1; j < n; ++j) {
-      qk_turn(kr, j);
-      rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
-      wait_full(sm.v_full(vr.stage), vr.phase);
-      pv_issue(vr);
-      pass_turn();
-      wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
-      done_with_k(kr);
-      softmax(j, scale2);
-      wgmma_wait<0>();
-      done_with_v(vr);
-      pack_p();
+    const bool narrow = narrow_last();
+    const int n = it.num_tiles - (narrow ? 1 : 0);  // the full-width tiles
+    if (n > 0) {
+      s_alone(kr, 0, scale2);
+      for (int j = 1; j < n; ++j) {
+        qk_turn(kr, j);
+        rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
+        wait_full(sm.v_full(vr.stage), vr.phase);
+        pv_issue(vr);
+        pass_turn();
+        wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
+        done_with_k(kr);
+        softmax(j, scale2);
+        wgmma_wait<0>();
+        done_with_v(vr);
+        pack_p();
+      }
+      pv_alone(vr);
     }
-    pv_alone(vr);
+    if constexpr (Tr::NARROW > 0) {
+      if (narrow) {
+        s_alone<Tr::NARROW>(kr, n, scale2);
+        pv_alone<Tr::NARROW>(vr);
+      }
+    }
   }
 
   // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile and

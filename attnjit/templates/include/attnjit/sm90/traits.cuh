@@ -57,6 +57,13 @@ struct Sm90Traits {
   static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
+  // An item's last K/V tile whose visible keys all lie in its first NARROW columns (the causal diagonal's of a
+  // short q tile, or a request's short tail) runs its softmax and P V over those columns only: the columns past
+  // them are hidden for every row of the item. (S keeps its full width: a second wgmma shape for it costs ptxas
+  // the registers that keep the wgmma pipelined in the variants' kernels; a variant's own mask, whose bit reads
+  // already fill the consumers' registers, keeps full tiles: its kernel spilled with the narrow path.) 0: every
+  // tile at full width.
+  static constexpr int NARROW = OVERLAP && CTA_KV_ == 128 && CONSUMERS_ == 2 && !VARIANT_::HAS_LOGITS_MASK ? 64 : 0;
   // shared memory: Q_STAGES Q tiles, NUM_STAGES K tiles, NUM_STAGES V tiles, then the mbarriers. Tiles are
   // HEAD_DIM / 64 column blocks of [rows][64] in the 128-byte swizzle (attnjit/kv_load.cuh), 1024-byte aligned.
   static constexpr int Q_BYTES = CTA_Q * HEAD_DIM * 2;
@@ -97,6 +104,7 @@ struct Sm90Traits {
   static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && HEAD_DIM <= 128 && !FP8_KV && CTA_KV <= 64),
                 "three consumers: head_dim 64 or 128, a 16-bit cache, 64-token K/V tiles (their registers: 160 each)");
   static_assert(BAR_PRODUCER <= 15, "named barriers 1..15");
+  static_assert(NARROW % 16 == 0 && NARROW < CTA_KV_, "a narrow tile is whole P V k-slices of a wider one");
   static_assert(TAU >= 0 && TAU <= 14, "P reaches 2^TAU (and a rounding residual more): fp16 P overflows at 2^16");
   static_assert(!PAGED || (PAGE_SIZE >= 1 && PAGE_SIZE <= 1024), "page_size is 1..1024 (any, not only 2^k)");
   static_assert(sizeof(TKV_) == 2 ? std::is_same<TKV_, T_>::value : FP8_KV, "the cache holds q's type or fp8");

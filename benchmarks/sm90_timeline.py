@@ -69,7 +69,8 @@ _STAMP = (_MEMBER + """
     }
   }""" % (MAX_REC, WGS, MAX_REC, MAX_ITEMS, "ITEM_BASE", WGS, MAX_ITEMS))
 # the steady main loop (Consumer::mainloop) and where each stamp goes in it: after the statement, in this order
-_LOOP_HEAD = "    for (int j = 1; j < n; ++j) {\n"
+_LOOP_HEAD = "      for (int j = 1; j < n; ++j) {\n"
+_LOOP_END = "\n      }\n"
 _AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, scale2);", "done_with_v(vr);",
           "pack_p();")
 
@@ -103,7 +104,7 @@ def _stamp_loop(src: str) -> str:
     if src.count(_LOOP_HEAD) != 1 or src.count(_MEMBER) != 1:
         raise SystemExit("sm90_timeline.py: the consumer's main loop changed; update _LOOP_HEAD, _AFTER and _MEMBER")
     start = src.index(_LOOP_HEAD) + len(_LOOP_HEAD)
-    end = src.index("\n    }\n", start)
+    end = src.index(_LOOP_END, start)
     body = src[start:end]
     for k, stmt in enumerate(_AFTER, 1):
         if body.count(stmt) != 1:
@@ -132,6 +133,10 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             "no-epilogue": ("    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);",
                             "    if (it.pslot < 0 && it.p.sm_scale_log2 > -1e30) return;\n"
                             "    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);"),
+            # no-narrow: a narrow last tile (Consumer::narrow_last) runs at full width, as before it existed (the
+            # same code; the branch is never taken): the A/B of the narrow tile
+            "no-narrow": ("    const bool narrow = narrow_last();\n",
+                          "    const bool narrow = narrow_last() && it.p.sm_scale_log2 < -1e30;\n"),
             "st-cs": (_STORE_ALL, "        if (pr < it.rows_total)\n          __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n              *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}

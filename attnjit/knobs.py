@@ -148,8 +148,8 @@ NATIVE: Knob[bool] = Knob(
 
 TMA: Knob[bool] = Knob(
     "ATTNJIT_TMA", True, _bool,
-    "1 (default): sm90 kernels copy q and the KV cache with the TMA unit where the tensors allow (attnjit/tma.py); "
-    "0: with cp.async only (the same kernels and results)")
+    "1 (default): sm90 kernels copy q and the KV cache, and store the output, with the TMA unit where the tensors "
+    "allow (attnjit/tma.py); 0: cp.async copies and 16-byte stores only (the same kernels and results)")
 
 WORK_CLAIMS: Knob[bool] = Knob(
     "ATTNJIT_WORK_CLAIMS", True, _bool,

@@ -10,6 +10,7 @@ either way: a test runs both (``ATTNJIT_TMA=0``).
 
 Dims (innermost first), as the kernel indexes them:
   q         [nnz_qo, H_q, D]          {D, H_q, nnz_qo}, box {64, GROUP, CTA_Q / GROUP}
+  o         [nnz_qo, H_q, D]          {D, H_q, nnz_qo}, box {64, GROUP, 64 / GROUP}  (a store: one warpgroup's rows)
   k, v NHD  [pages, page, H_kv, D]    {D, H_kv, page, pages}, box {64, 1, rows, 1}
   k, v HND  [pages, H_kv, page, D]    {D, page, H_kv, pages}, box {64, rows, 1, 1}
   k, v      [nnz_kv, H_kv, D]         {D, H_kv, nnz_kv}, box {64, 1, rows}   (ragged)
@@ -25,7 +26,7 @@ from typing import Any
 
 from . import knobs
 
-FLAG_KV, FLAG_Q = 1, 2   # tma_flags bits (sm90/tma.cuh kTmaKV, kTmaQ)
+FLAG_KV, FLAG_Q, FLAG_O = 1, 2, 4   # tma_flags bits (sm90/tma.cuh kTmaKV, kTmaQ, kTmaO)
 MAP_BYTES = 128
 _NONE = bytes(MAP_BYTES)
 _DTYPE = {"bf16": 9, "fp16": 6}                 # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / FLOAT16
@@ -66,6 +67,7 @@ def describe(dtype: int, elem: int, address: int, dims: tuple[int, ...], strides
 
 
 def q_args(q, dtype: str, group: int, cta_q: int) -> MapArgs | str:
+    """q, or the output (same dims; its box a warpgroup's rows): [nnz_qo, H_q, D], box {64, group, cta_q / group}."""
     n, h, d = q.shape
     return describe(_DTYPE[dtype], 2, q.data_ptr(), (d, h, n), (q.stride(1), q.stride(0)),
                     (64, group, cta_q // group))
@@ -122,32 +124,51 @@ def encode(args: MapArgs) -> bytes | None:
 
 @dataclass(frozen=True)
 class Copies:
-    """What one kernel copies by TMA (sm90.tma_boxes): the Q box (GROUP, CTA_Q) or None, the K/V box rows or 0,
-    and where the struct holds flags and descriptors."""
+    """What one kernel copies by TMA (sm90.tma_boxes): the Q box (GROUP, CTA_Q) or None, the K/V box rows or 0, the
+    output box (GROUP, 64) or None, and where the struct holds flags and descriptors."""
 
     q_box: tuple[int, int] | None
     kv_rows: int
     dtype: str                 # the 16-bit element type of q and the cache
     paged: bool
     hnd: bool
-    slots: tuple[int, int, int, int]   # struct indices of tma_flags, tma_q, tma_k, tma_v
+    slots: tuple[int, ...]     # struct indices of tma_flags, tma_q, tma_k, tma_v, tma_o
+    o_box: tuple[int, int] | None = None
+    o_dtype: str = ""          # the output's 16-bit element type
     # the last runs' answers by their tensors' description (run() mostly repeats one): describing and looking up
-    # three descriptors costs ~12 us of host a run, a hit ~1
+    # three descriptors costs ~12 us of host a run, a hit ~1; the output's on its own
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    o_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def fill(self, vals: list, q, k_ptr: int, v_ptr: int, *, rows: int, page_size: int, heads: int, head_dim: int,
-             stride0: int, stride1: int) -> str:
-        """Set the run's flags and descriptors in ``vals``; returns what the TMA copies ("q+kv", "q", "kv", "")."""
-        key = (knobs.TMA.get(), q.data_ptr(), tuple(q.shape), q.stride(), k_ptr, v_ptr, rows, page_size, heads,
-               head_dim, stride0, stride1)
+             stride0: int, stride1: int, out=None) -> str:
+        """Set the run's flags and descriptors in ``vals``; returns what the TMA copies ("q+kv+o", "q+kv", "q",
+        "kv", ..., "")."""
+        on = knobs.TMA.get()
+        key = (on, q.data_ptr(), tuple(q.shape), q.stride(), k_ptr, v_ptr, rows, page_size, heads, head_dim, stride0,
+               stride1)
         hit = self.memo.get(key)
         if hit is None:
             if len(self.memo) >= 64:
                 self.memo.clear()
-            hit = self.memo[key] = self._fill(q, k_ptr, v_ptr, key[0], rows=rows, page_size=page_size,
-                                              heads=heads, head_dim=head_dim, stride0=stride0, stride1=stride1)
-        f, sq, sk, sv = self.slots
+            hit = self.memo[key] = self._fill(q, k_ptr, v_ptr, on, rows=rows, page_size=page_size, heads=heads,
+                                              head_dim=head_dim, stride0=stride0, stride1=stride1)
+        f, sq, sk, sv = self.slots[:4]
         vals[f], vals[sq], vals[sk], vals[sv], used = hit
+        if len(self.slots) > 4:  # the output's descriptor, memoized on its own (an engine's out may move each step)
+            od = None
+            if on and self.o_box is not None and out is not None:
+                okey = (out.data_ptr(), tuple(out.shape), out.stride())
+                if okey in self.o_memo:
+                    od = self.o_memo[okey]
+                else:
+                    if len(self.o_memo) >= 64:
+                        self.o_memo.clear()
+                    od = self.o_memo[okey] = _encoded(q_args(out, self.o_dtype, *self.o_box))
+            vals[self.slots[4]] = od or _NONE
+            if od:
+                vals[f] |= FLAG_O
+                used = f"{used}+o" if used else "o"
         return used
 
     def _fill(self, q, k_ptr: int, v_ptr: int, on: bool, *, rows: int, page_size: int, heads: int, head_dim: int,

@@ -62,49 +62,54 @@ def test_q_args_box_packs_a_group_of_heads_per_token():
     assert isinstance(tma.q_args(odd, "bf16", 4, 128), str)
 
 
-@pytest.mark.parametrize("kw,q_box,kv_rows", [
-    (dict(page_size=16), (4, 128), 16),
-    (dict(kv="ragged", page_size=None), (4, 128), 128),
-    (dict(page_size=256), (4, 128), 128),
-    (dict(page_size=1), (4, 128), 0),       # a page a row: the cp.async gather
-    (dict(page_size=48), (4, 128), 0),      # pages that do not nest with the tile
-    (dict(page_size=16, group_size=5), None, 16),  # 128 rows are not whole tokens of 5 heads
-    (dict(page_size=16, dtype=None, dtype_q="fp16", dtype_kv="e4m3", dtype_o="fp16"), None, 0),  # fp8: converted
+@pytest.mark.parametrize("kw,q_box,kv_rows,o_box", [
+    (dict(page_size=16), (4, 128), 16, (4, 64)),
+    (dict(kv="ragged", page_size=None), (4, 128), 128, (4, 64)),
+    (dict(page_size=256), (4, 128), 128, (4, 64)),
+    (dict(page_size=1), (4, 128), 0, (4, 64)),       # a page a row: the cp.async gather
+    (dict(page_size=48), (4, 128), 0, (4, 64)),      # pages that do not nest with the tile
+    (dict(page_size=16, group_size=5), None, 16, None),  # 128 rows are not whole tokens of 5 heads
+    (dict(page_size=16, group_size=1), (1, 128), 16, (1, 64)),
+    (dict(page_size=16, dtype=None, dtype_q="fp16", dtype_kv="e4m3", dtype_o="fp16"), None, 0, None),  # fp8
 ])
-def test_tma_boxes_say_what_a_kernel_copies(kw, q_box, kv_rows):
+def test_tma_boxes_say_what_a_kernel_copies(kw, q_box, kv_rows, o_box):
     spec = _spec(**kw)
     tile = sm90.tiles(spec)[0]
-    assert sm90.tma_boxes(spec, tile) == (q_box, kv_rows)
+    assert sm90.tma_boxes(spec, tile) == (q_box, kv_rows, o_box)
 
 
 def test_the_sm90_struct_ends_with_aligned_descriptors_and_fa2_has_none():
     lay = attention_layout(None, "sm90")
     at = dict(zip(lay.names, lay.offsets))
-    assert all(at[n] % 64 == 0 for n in ("tma_q", "tma_k", "tma_v")) and lay.size % 64 == 0
-    assert lay.names[-4:] == ("tma_flags", "tma_q", "tma_k", "tma_v")
+    assert all(at[n] % 64 == 0 for n in ("tma_q", "tma_k", "tma_v", "tma_o")) and lay.size % 64 == 0
+    assert lay.names[-5:] == ("tma_flags", "tma_q", "tma_k", "tma_v", "tma_o")
     assert "tma_flags" not in attention_layout(None, "fa2").index
     values = [0] * len(lay.names)
-    for n in ("tma_q", "tma_k", "tma_v"):
+    for n in ("tma_q", "tma_k", "tma_v", "tma_o"):
         values[lay.index[n]] = bytes(range(128))
     packed = lay.struct.pack(*values)
     assert packed[at["tma_k"]:at["tma_k"] + 128] == bytes(range(128))
+    assert packed[at["tma_o"]:at["tma_o"] + 128] == bytes(range(128))
 
 
 class _Q:
     shape, dtype = (300, 32, 128), torch.bfloat16
 
+    def __init__(self, ptr: int = 0x10000, strides: tuple = (32 * 128, 128, 1)):
+        self.ptr, self.strides = ptr, strides
+
     def stride(self, i=None):
-        return (32 * 128, 128, 1) if i is None else (32 * 128, 128, 1)[i]
+        return self.strides if i is None else self.strides[i]
 
     def data_ptr(self):
-        return 0x10000
+        return self.ptr
 
 
 def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
     lay = attention_layout(None, "sm90")
     i = lay.index
     copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
-                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]))
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]))  # a kernel with no O box
     kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
     seen = []
     monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
@@ -129,13 +134,42 @@ def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
     assert vals[i["tma_q"]] == bytes(128)
 
 
+def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkeypatch):
+    lay = attention_layout(None, "sm90")
+    i = lay.index
+    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"], i["tma_o"]), o_box=(4, 64),
+                        o_dtype="fp16")
+    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
+    seen = []
+    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
+    vals = [0] * len(lay.names)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, out=_Q(0x80000), **kw) == "q+kv+o"
+    assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV | tma.FLAG_O and vals[i["tma_o"]] == bytes([4]) * 128
+    o = seen[-1]
+    assert o.address == 0x80000 and o.box == (64, 4, 16) and o.dims == (128, 32, 300) and o.dtype == 6  # fp16
+    # an output TMA cannot write (an odd token stride): its 16-byte stores, and no descriptor left from the last run
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, out=_Q(0x80000, (32 * 128 + 4, 128, 1)), **kw) == "q+kv"
+    assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV and vals[i["tma_o"]] == bytes(128)
+    # a new output address is a new descriptor (the memo is keyed by the output too)
+    n = len(seen)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, out=_Q(0x90000), **kw) == "q+kv+o" and len(seen) == n + 1
+    assert seen[-1].address == 0x90000
+    monkeypatch.setenv("ATTNJIT_TMA", "0")
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, out=_Q(0x90000), **kw) == "" and vals[i["tma_flags"]] == 0
+    assert vals[i["tma_o"]] == bytes(128)
+
+
 @pytest.mark.nvcc
-@pytest.mark.parametrize("kw,copies", [(dict(page_size=16), 16), (dict(kv="ragged", page_size=None), 16),
-                                       (dict(page_size=1), 2), (dict(page_size=16, group_size=5), 12)])
-def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies):
-    """UTMALDG (cp.async.bulk.tensor) in the SASS: Q's two 64-column boxes and each K/V copy site's, per kernel of
-    the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V only)."""
+@pytest.mark.parametrize("kw,copies,stores", [(dict(page_size=16), 16, 4), (dict(kv="ragged", page_size=None), 16, 4),
+                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 12, 0)])
+def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, stores):
+    """UTMALDG (cp.async.bulk.tensor loads) in the SASS: Q's two 64-column boxes and each K/V copy site's, per
+    kernel of the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V
+    only); UTMASTG (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are
+    not whole tokens."""
     spec = _spec(**kw)
     log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert len(re.findall(r"\bUTMALDG\b", sass)) == copies
+    assert len(re.findall(r"\bUTMASTG\b", sass)) == stores
     assert "static_assert(sizeof(AttentionParams)" in render(spec).source

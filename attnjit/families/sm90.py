@@ -1,7 +1,8 @@
 """The sm90 kernel family: wgmma + warp specialization (sm_90a), FlashAttention-3's shape, for prefill.
 
 One producer warpgroup copies Q, K and V tiles (paged or ragged) into shared memory with the TMA unit where a
-tile is whole boxes (``attnjit/tma.py``, ``sm90/tma.cuh``), else with cp.async, completing on mbarriers; two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
+tile is whole boxes (``attnjit/tma.py``, ``sm90/tma.cuh``), else with cp.async, completing on mbarriers (a consumer
+warpgroup's 64 output rows leave by one TMA store where they all belong to the request); two consumer warpgroups of 64 packed rows each run S = Q K^T and O += P V on wgmma with the softmax of one
 tile under the other's GEMMs (``templates/include/attnjit/sm90/attention.cuh``). The grid is persistent. The tile
 configuration ``q192kv64`` has three consumers (192-row items, 64-token K/V tiles; head_dim 64 and 128 over a
 16-bit cache), taking turns at the tensor cores in a ring. ``kv160`` and ``kv176q1`` have wider K/V tiles; the
@@ -37,10 +38,11 @@ PERSISTENT = True   # one CTA per SM walks the work list (the grid is min(work, 
 # run(); sm90/tma.cuh reads them) and which of them this run may use.
 PARAM_FIELDS = """
     work_claims: i64: 1: CTAs claim work items from the counter at work_count[1]; 0: grid stride (sm90/producer.cuh)
-    tma_flags: i64: TMA descriptors valid this run: 1 k and v, 2 q (attnjit/tma.py)
+    tma_flags: i64: TMA descriptors valid this run: 1 k and v, 2 q, 4 o (attnjit/tma.py)
     tma_q: tmap: q's CUtensorMap, box {64, GROUP, CTA_Q / GROUP}
     tma_k: tmap: k's CUtensorMap, box {64, TMA_ROWS tokens of one head}
     tma_v: tmap: v's CUtensorMap, same box as k
+    tma_o: tmap: the output's CUtensorMap, box {64, GROUP, 64 / GROUP} (a consumer warpgroup's rows)
 """
 
 
@@ -223,19 +225,20 @@ def prefers(spec: "AttentionSpec", max_packed_rows: int) -> bool:
     return max_packed_rows > fa2.narrow_tile(spec.head_dim_qk, spec.page_size or 0, spec.group_size).cta_q
 
 
-def tma_boxes(spec: "AttentionSpec", tile: Tile) -> tuple[tuple[int, int] | None, int]:
-    """What ``tile``'s kernel copies by TMA (sm90/tma.cuh tma_q, tma_rows, tma_kv; the template asserts they agree):
-    the Q box's (GROUP, CTA_Q) or None, and the rows of a K/V box or 0. Not over an fp8 cache (its tiles are
-    converted in place after the copy)."""
+def tma_boxes(spec: "AttentionSpec", tile: Tile) -> tuple[tuple[int, int] | None, int, tuple[int, int] | None]:
+    """What ``tile``'s kernel copies by TMA (sm90/tma.cuh tma_q, tma_rows, tma_kv, tma_o; the template asserts they
+    agree): the Q box's (GROUP, CTA_Q) or None, the rows of a K/V box or 0, and the output box's (GROUP, 64: a
+    consumer warpgroup's rows) or None. Not over an fp8 cache (its tiles are converted in place after the copy)."""
     if _fp8(spec):
-        return None, 0
+        return None, 0, None
     g, ps = spec.group_size, spec.page_size or 0
     q = (g, tile.cta_q) if tile.cta_q % g == 0 and g <= 256 and tile.cta_q // g <= 256 else None
     paged = spec.kv == "paged"
     rows = ps if paged and ps < tile.cta_kv else tile.cta_kv
     in_page = ps >= 16 and ps % 16 == 0 and (tile.cta_kv % ps == 0 or ps % tile.cta_kv == 0)
     kv = rows if rows % 8 == 0 and (not paged or in_page) else 0
-    return q, kv
+    o = (g, 64) if q is not None and 64 % g == 0 and dtypes.of(spec.dtype_o).bytes == 2 else None
+    return q, kv, o
 
 
 def context(spec: "AttentionSpec") -> dict:

@@ -185,7 +185,7 @@ def launch(plan: Plan, q: torch.Tensor, qs, k_ptr: int, v_ptr: int, stride0: int
     if plan.tma is not None:
         plan.tma_used = plan.tma.fill(vals, q, k_ptr, v_ptr, rows=kv_rows, page_size=plan.page_size or 0,
                                       heads=plan.num_kv_heads, head_dim=plan.head_dim, stride0=stride0,
-                                      stride1=stride1)
+                                      stride1=stride1, out=out)
     plan.attn(vals)
 
 
@@ -196,10 +196,11 @@ def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
     boxes = getattr(families.get(spec.family), "tma_boxes", None)
     if boxes is None or "tma_flags" not in layout.index:
         return None
-    q_box, kv_rows = boxes(spec, tile)
+    q_box, kv_rows, o_box = boxes(spec, tile)
     i = layout.index
     return tma.Copies(q_box=q_box, kv_rows=kv_rows, dtype=spec.dtype_q, paged=spec.kv == "paged",
-                      hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]))
+                      hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"], i["tma_o"]),
+                      o_box=o_box, o_dtype=spec.dtype_o)
 
 
 

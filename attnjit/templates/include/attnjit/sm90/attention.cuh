@@ -22,6 +22,7 @@
 #include "attnjit/common.cuh"
 #include "attnjit/kv_load.cuh"
 #include "attnjit/sm90/producer.cuh"
+#include "attnjit/sm90/tma.cuh"
 #include "attnjit/sm90/traits.cuh"
 #include "attnjit/sm90/wgmma.cuh"
 #include "attnjit/split.cuh"
@@ -54,6 +55,9 @@ struct Consumer {
   bool rescale = false;         // some row of this warp has a new max: O must be multiplied by alpha
   float qinv[2] = {1.f, 1.f};   // fp8: 2^-e of this thread's two Q rows (their fp16 conversion's scale)
   float v_scale = 1.f;          // fp8: the value scale of this item's kv head, applied to the output
+  // the Q stage whose output rows this thread stored by TMA (the warpgroup's first thread), its read by the TMA unit
+  // and the stage's release waited for at the next item (Q_STAGES >= 2: that item's Q is in the other stage); -1 none
+  int o_pending = -1;
 
   __device__ Consumer(const P& p, const Smem<Tr>& smem, int wg_)
       : it(p),
@@ -322,8 +326,26 @@ struct Consumer {
     }
   }
 
-  // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile and
-  // 16-byte stores, or a split item's fp32 partial state straight to the workspace.
+  // This warpgroup's rows of the output, staged in its rows of the Q tile, by 16-byte stores (rows past the
+  // request's end are not written).
+  __device__ __forceinline__ void store_staged(const uint8_t* stage) {
+    constexpr int CHUNKS = D / 8;
+    constexpr int ROWS_PER_STEP = 128 / CHUNKS;
+    const int wtid = static_cast<int>(ctid % 128);
+    const int c = wtid % CHUNKS;
+#pragma unroll
+    for (int k = 0; k < Tr::WG_ROWS / ROWS_PER_STEP; ++k) {
+      const int row = wg * Tr::WG_ROWS + k * ROWS_PER_STEP + wtid / CHUNKS;
+      const int pr = it.packed_row0 + row;
+      if (pr < it.rows_total)
+        *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) =
+            *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c));
+    }
+  }
+
+  // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile, then
+  // one TMA store of them (sm90/tma.cuh: the run's output descriptor, and all 64 rows inside the request) or
+  // 16-byte stores; or a split item's fp32 partial state straight to the workspace.
   __device__ __forceinline__ void epilogue() {
     float inv[2], lse[2];
 #pragma unroll
@@ -342,6 +364,9 @@ struct Consumer {
     }
     if (it.pslot < 0) {
       uint8_t* stage = sm.q(qstage);
+      bool by_tma = false;  // warp-uniform (the item's fields)
+      if constexpr (tma_o<Tr>())
+        by_tma = (it.p.tma_flags & kTmaO) && it.packed_row0 + (wg + 1) * Tr::WG_ROWS <= it.rows_total;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
@@ -363,18 +388,15 @@ struct Consumer {
         }
         if (lane % 4 == 0 && pr < it.rows_total) it.write_lse(pr, lse[r]);
       }
+      if (by_tma) fence_proxy_async();  // the staging writes, visible to the TMA unit (async proxy)
       named_sync(Tr::BAR_EPILOGUE + wg, 128);
-      constexpr int CHUNKS = D / 8;
-      constexpr int ROWS_PER_STEP = 128 / CHUNKS;
-      const int wtid = static_cast<int>(ctid % 128);
-      const int c = wtid % CHUNKS;
-#pragma unroll
-      for (int k = 0; k < Tr::WG_ROWS / ROWS_PER_STEP; ++k) {
-        const int row = wg * Tr::WG_ROWS + k * ROWS_PER_STEP + wtid / CHUNKS;
-        const int pr = it.packed_row0 + row;
-        if (pr < it.rows_total)
-          *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) =
-              *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c));
+      if (by_tma) {
+        if (ctid % 128 == 0) {
+          tma_o_rows<Tr>(it, &it.p.tma_o, smem_u32(stage) + wg * Tr::WG_ROWS * 128, wg * Tr::WG_ROWS);
+          o_pending = qstage;
+        }
+      } else {
+        store_staged(stage);
       }
     } else {
 #pragma unroll
@@ -394,7 +416,10 @@ struct Consumer {
     const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
     const int heads = static_cast<int>(p.num_kv_heads);
     if (wg == Tr::CONSUMERS - 1) pass_turn();  // the first consumer takes the first turn
+    if constexpr (tma_o<Tr>())
+      if (ctid % 128 == 0 && (p.tma_flags & kTmaO)) tma_prefetch(&p.tma_o);
     consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed
+      release_stored();
       const int head = i % heads;
       it.kv_head = head;
       it.setup(i / heads);
@@ -438,10 +463,25 @@ struct Consumer {
       }
       mainloop(kr, vr, scale2);
       epilogue();
-      mbar_arrive(sm.q_empty(qstage));  // every consumer thread: its Q reads and staging reads are done
+      // every consumer thread: its Q reads and staging reads are done (a TMA store's thread: once the unit read
+      // its rows, now where the next item needs this Q stage, else at the next item: release_stored)
+      if (Tr::Q_STAGES == 1 && o_pending >= 0) release_stored();
+      else if (o_pending < 0) mbar_arrive(sm.q_empty(qstage));
       if (it.nchunks > 1 && last_of_group(it, ctid, [] { named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS); }))
         merge_group<Tr::CONSUMER_THREADS, Tr::CTA_Q>(it, ctid);
     });
+    release_stored();  // (the shared memory must outlive the TMA unit's reads of it)
+  }
+
+  // The Q stage of this thread's last TMA store handed back to the producer, once the unit has read its rows.
+  __device__ __forceinline__ void release_stored() {
+    if constexpr (tma_o<Tr>()) {
+      if (o_pending >= 0) {
+        tma_o_read();
+        mbar_arrive(sm.q_empty(o_pending));
+        o_pending = -1;
+      }
+    }
   }
 };
 

@@ -1,6 +1,6 @@
-// attnjit/sm90/tma.cuh: the sm90 producer's TMA copies (cp.async.bulk.tensor): Q tiles, and K/V tiles where a
-// tile is whole boxes of contiguous rows (a ragged cache, or pages of a multiple of 16 tokens that nest with
-// the tile).
+// attnjit/sm90/tma.cuh: the sm90 family's TMA copies (cp.async.bulk.tensor): the producer's Q tiles, and K/V tiles
+// where a tile is whole boxes of contiguous rows (a ragged cache, or pages of a multiple of 16 tokens that nest with
+// the tile); the consumers' output rows, where a warpgroup's 64 rows all belong to the request.
 //
 // The host encodes one CUtensorMap per tensor (attnjit/tma.py, the driver's cuTensorMapEncodeTiled) into the
 // kernel's parameter struct (a __grid_constant__, so the descriptors' addresses are valid for the copies) and sets
@@ -10,6 +10,10 @@
 //   K/V: paged 4-D {d, kv head, slot, page} (NHD) or {d, slot, kv head, page} (HND); ragged 3-D {d, kv head,
 //        token}: the dims in memory order (each stride nests the ones below it); a box is TMA_ROWS rows (tokens)
 //        of one head.
+//   O:   3-D {d, qo head, token} as Q; box {64, GROUP, WG_ROWS / GROUP}: one consumer warpgroup's rows, staged
+//        in its rows of the Q tile (the epilogue's layout is the Q tile's). A box writes every row it covers (the
+//        TMA unit clips only at the tensor's end), so only a warpgroup whose rows all lie inside the request
+//        stores by TMA; the request's last, partial rows take the 16-byte stores.
 // Every box is written with the 128-byte swizzle, which is the tile layout the wgmma descriptors read
 // (attnjit/kv_load.cuh tile_offset) when the box lands 1024-byte aligned: box j of a tile at j * TMA_ROWS * 128
 // bytes, so TMA_ROWS is a multiple of 8. Out-of-range rows are zero-filled by the TMA unit, but the producer only
@@ -33,12 +37,16 @@ struct alignas(64) TensorMap {
 namespace sm90 {
 
 // tma_flags bits (attnjit/tma.py FLAG_*)
-constexpr int64_t kTmaKV = 1, kTmaQ = 2;
+constexpr int64_t kTmaKV = 1, kTmaQ = 2, kTmaO = 4;
 
 // Whether traits Tr can copy Q / K / V tiles with TMA (the spec's part; the run's part is tma_flags).
 template <typename Tr>
 __host__ __device__ constexpr bool tma_q() {
   return !Tr::FP8_KV && Tr::CTA_Q % Tr::GROUP == 0 && Tr::GROUP <= 256 && Tr::CTA_Q / Tr::GROUP <= 256;
+}
+template <typename Tr>
+__host__ __device__ constexpr bool tma_o() {  // the output's box: a warpgroup's rows, whole tokens, 16-bit
+  return tma_q<Tr>() && Tr::WG_ROWS % Tr::GROUP == 0 && sizeof(typename Tr::TO) == 2;
 }
 template <typename Tr>
 __host__ __device__ constexpr int tma_rows() {  // rows (tokens) of one K/V box
@@ -74,6 +82,27 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
       "r"(c3)
       : "memory");
 }
+
+__device__ __forceinline__ void tma_store_3d(const TensorMap* map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
+// The item's output rows [row0, row0 + WG_ROWS), staged at shared address src (their rows of the Q tile), by one
+// thread, after every thread that staged them fenced its writes for the async proxy and met it at a barrier. The
+// staging rows may be written again (the Q tile handed back to the producer) only after tma_o_read; the global
+// writes complete on their own (nothing in the kernel reads them).
+template <typename Tr, typename Item>
+__device__ __forceinline__ void tma_o_rows(const Item& it, const TensorMap* map, uint32_t src, int row0) {
+  const int head = it.kv_head * Tr::GROUP;
+  const int tok = static_cast<int>(it.q_begin) + (it.packed_row0 + row0) / Tr::GROUP;
+#pragma unroll
+  for (int c = 0; c < Tr::HEAD_DIM / 64; ++c) tma_store_3d(map, src + c * Tr::Q_STEP, c * 64, head, tok);
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until the TMA unit has read the staging rows of this thread's stores.
+__device__ __forceinline__ void tma_o_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 
 // The item's Q tile at shared address dst, completing on `bar` (one thread: it also arrives with the bytes).
 template <typename Tr, typename Item>

@@ -7,7 +7,8 @@
 The issue's configuration: H_q 32 / H_kv 8 / head_dim 128 / bf16 / page 16 / KV 2048 per request, metadata on
 the host as engines pass it (on a GPU host also on the device), decode (one query row per request) and prefill
 (128 new tokens per request, causal), batch 1 / 16 / 64 / 256. Per call: the minimum and the median over rounds of
-calls (the minimum is the figure to compare on a shared machine; the median shows the noise). Also:
+calls (the minimum is the figure to compare on a shared machine; the median shows the noise), attnjit's and
+FlashInfer's rounds interleaved so that the host's drift weighs on both. Also:
 
 - where attnjit's plan() spends it (device to host, for device metadata / validate + read metadata / schedule /
   upload / launch setup / the rest), by timing those functions inside plan();
@@ -91,6 +92,34 @@ def timed(fn, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
     return {"min_us": round(min(per), 1), "median_us": round(statistics.median(per), 1)}
 
 
+def interleaved_stats(fns: dict, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
+    """``timed``'s figures (min and median us per call) of each function, their rounds interleaved (the order
+    rotating each round), so that a slow stretch of a shared host weighs on all of them alike: for ratios and
+    differences between them (attnjit's plan() against FlashInfer's, an op against its direct call)."""
+    names = list(fns)
+    for n in names:
+        for _ in range(10):
+            fns[n]()
+    per: dict = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[n]
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            if cuda:
+                torch.cuda.synchronize()
+            per[n].append((time.perf_counter() - t0) / calls * 1e6)
+    return {n: {"min_us": round(min(v), 2), "median_us": round(statistics.median(v), 2)} for n, v in per.items()}
+
+
+def interleaved(fns: dict, *, rounds: int = 15, calls: int = 200, cuda: bool = False) -> dict:
+    """The minimum us per call of each function, rounds interleaved (interleaved_stats)."""
+    return {n: v["min_us"] for n, v in interleaved_stats(fns, rounds=rounds, calls=calls, cuda=cuda).items()}
+
+
 @contextmanager
 def step_timers(totals: dict):
     """Time the named steps inside attnjit's plan() (each wrapped for the block)."""
@@ -149,9 +178,11 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
         body = lambda h, q, k, v, b: (q, k)  # noqa: E731
         lib.impl("two", body, "CPU")
         q = torch.zeros(4)
+        op = torch.ops.attnjit_bench.two
         calls = {"python body": lambda: body(1, q, q, None, True),
-                 "same body through torch.ops": lambda: torch.ops.attnjit_bench.two(1, q, q, None, True)}
-        return {"op": "dispatch", **{n: timed(f, rounds=9, calls=2000)["min_us"] for n, f in calls.items()}}
+                 "same body through torch.ops": lambda: op(1, q, q, None, True),
+                 "same body through its OpOverload (.default)": lambda: op.default(1, q, q, None, True)}
+        return {"op": "dispatch", **interleaved(calls, rounds=9, calls=2000)}
     from attnjit.ops import merge
 
     gen = torch.Generator().manual_seed(0)
@@ -163,11 +194,19 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
     q = torch.randn(16, H_Q, D, generator=gen).to(DT).to(dev)
     cache = torch.randn(16 * KV // PS, 2, PS, H_KV, D, dtype=DT, device=dev)
     out = torch.empty_like(q)
+    ms, run_out = torch.ops.attnjit.merge_state, torch.ops.attnjit.batch_run_out
+    # direct: the eager body; torch.ops: the op packet (which resolves the overload per call); .default: the
+    # OpOverload, which is what a compiled graph calls. Interleaved rounds: the differences are a few us.
     calls = {"merge_state direct": lambda: merge.merge_state_eager(va, sa, vb, sb),
-             "merge_state torch.ops": lambda: torch.ops.attnjit.merge_state(va, sa, vb, sb),
+             "merge_state torch.ops": lambda: ms(va, sa, vb, sb),
+             "merge_state torch.ops .default": lambda: ms.default(va, sa, vb, sb),
              "decode run direct": lambda: w.run(q, cache, out=out),
-             "decode run torch.ops": lambda: torch.ops.attnjit.batch_run_out(w._handle, q, cache, None, out, None)}
-    return {"op": "dispatch", **{n: timed(f, cuda=True, rounds=9, calls=200)["min_us"] for n, f in calls.items()}}
+             "decode run torch.ops": lambda: run_out(w._handle, q, cache, None, out, None),
+             "decode run torch.ops .default": lambda: run_out.default(w._handle, q, cache, None, out, None)}
+    res = interleaved(calls, cuda=True, rounds=15, calls=200)
+    for what in ("merge_state", "decode run"):
+        res[f"{what}: .default - direct"] = round(res[f"{what} torch.ops .default"] - res[f"{what} direct"], 2)
+    return {"op": "dispatch", **res}
 
 
 def upload_rows(dev: str) -> list[dict]:
@@ -356,9 +395,9 @@ def main() -> dict:
             for where in wheres:
                 meta = metadata(batch, op, "cpu" if where == "host" else dev)
                 row = {"op": op, "batch": batch, "metadata": where}
-                for name in names:
-                    _, fn = planner(name, op, workspaces[name], meta)
-                    row[name] = timed(fn, cuda=cuda)
+                # attnjit's and FlashInfer's rounds interleaved: the ratio is the figure, and this host drifts
+                row.update(interleaved_stats({name: planner(name, op, workspaces[name], meta)[1] for name in names},
+                                             cuda=cuda))
                 if "flashinfer" in row:
                     row["ratio_min"] = round(row["attnjit"]["min_us"] / row["flashinfer"]["min_us"], 2)
                 if not args.no_breakdown:

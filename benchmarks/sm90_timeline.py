@@ -17,7 +17,7 @@ Per work item too (the first MAX_ITEMS of each warpgroup, I0..I3): I0 -> I1 wait
 fp8 cache with a bf16 q, converting its rows), I1 -> I2 the main loop, I2 -> I3 the epilogue, I3 -> the next I0 the
 walk to the next item; with the item's kv tile count, so short and long items can be told apart. An unsplit item's
 epilogue is cut at E1 (O normalized and staged in shared memory) and E2 (the warpgroup's barrier passed; then the
-16-byte global stores), and the walk at W (the top of the next item's iteration, before its work record is read). ``--kv e4m3``
+TMA store or the 16-byte global stores), and the walk at W (the top of the next item's iteration, before its work record is read). ``--kv e4m3``
 times the kernel over an e4m3 cache (issue 14's sm90 fp8 path). ``--what-if NAME`` patches the kernel first
 (WHAT_IFS: an upper bound on what removing one cost could buy), ``--no-stamps`` leaves the stamps out and ``--time`` times
 run() back to back (TFLOP/s), so one call can compare a patched kernel with the one built:
@@ -81,7 +81,7 @@ _ITEM_MAIN = "      mainloop(kr, vr, scale2);\n"
 _ITEM_EPI = "      epilogue();\n"
 
 
-_EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      constexpr int CHUNKS = D / 8;\n"
+_EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      if (by_tma) {\n"
 _ITEM_TOP = "    consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed\n"
 
 
@@ -116,11 +116,12 @@ def _stamp_loop(src: str) -> str:
 
 # What-if patches of the rendered source (``--what-if``), each an upper bound on what removing one cost could buy:
 #   no-store: an unsplit item's 16-byte global stores of O predicated off by a condition the compiler cannot fold
-#   (the staging, the barrier and every other instruction stay; the output is left unwritten)
-_STORE = "        if (pr < it.rows_total)\n          *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) ="
+#   (the staging, the barrier and every other instruction stay; the output is left unwritten). With the TMA store
+#   (a warpgroup's rows whole inside the request) only the other rows' stores: combine with no-tma-store
+_STORE = "      if (pr < it.rows_total)\n        *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) ="
 #   st-cs: the same stores as streaming ones (st.global.cs: evict-first in L2), so the output does not push the K/V
 #   tiles other items still read out of L2
-_STORE_ALL = _STORE + ("\n              *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>"
+_STORE_ALL = _STORE + ("\n            *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>"
                        "(row, c));")
 WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                                                 "(pr < it.rows_total && it.p.sm_scale_log2 < -1e30)")),
@@ -137,8 +138,12 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # same code; the branch is never taken): the A/B of the narrow tile
             "no-narrow": ("    const bool narrow = narrow_last();\n",
                           "    const bool narrow = narrow_last() && it.p.sm_scale_log2 < -1e30;\n"),
-            "st-cs": (_STORE_ALL, "        if (pr < it.rows_total)\n          __stcs(reinterpret_cast<uint4*>("
-                      "it.out_ptr(pr, c)),\n              *reinterpret_cast<const uint4*>(stage + "
+            # no-tma-store: every warpgroup's output rows by the 16-byte stores, as before the TMA store (the same
+            # code; the TMA branch is never taken): the A/B of the TMA store
+            "no-tma-store": ("        by_tma = (it.p.tma_flags & kTmaO) && ",
+                             "        by_tma = it.p.sm_scale_log2 < -1e30 && (it.p.tma_flags & kTmaO) && "),
+            "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
+                      "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
 
 

@@ -26,6 +26,9 @@ import torch
 from torch import Tensor
 
 from . import _handles
+# the merge ops' bodies are the eager functions themselves (no wrapper frame, no import per call: the op's cost over
+# a direct call is the dispatcher's alone, issue 13's "within 2 us")
+from .merge import merge_state_eager, merge_state_in_place_eager, merge_states_eager
 
 LIB = torch.library.Library("attnjit", "DEF")
 
@@ -100,24 +103,6 @@ def _single_decode(q, k, v, kv_layout, sm_scale, window_left, logits_soft_cap, p
     return o[0], (lse[0] if want_lse else _no_lse(q))
 
 
-def _merge_state(v_a, s_a, v_b, s_b):
-    from .merge import merge_state_eager
-
-    return merge_state_eager(v_a, s_a, v_b, s_b)
-
-
-def _merge_state_in_place(v, s, v_other, s_other, mask) -> None:
-    from .merge import merge_state_in_place_eager
-
-    merge_state_in_place_eager(v, s, v_other, s_other, mask)
-
-
-def _merge_states(v, s):
-    from .merge import merge_states_eager
-
-    return merge_states_eager(v, s)
-
-
 def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache, kv_indices, kv_indptr,
             kv_last_page_len, kv_layout, check) -> None:
     from .page import append_paged_kv_cache_eager
@@ -159,8 +144,9 @@ def _fake_none(*args) -> None:
 
 _IMPLS = {"batch_run": (_batch_run, _fake_batch_run), "batch_run_out": (_batch_run_out, _fake_none),
           "single_prefill": (_single_prefill, _fake_single), "single_decode": (_single_decode, _fake_single),
-          "merge_state": (_merge_state, _fake_merge_state), "merge_state_in_place": (_merge_state_in_place, _fake_none),
-          "merge_states": (_merge_states, _fake_merge_states), "append_paged_kv_cache": (_append, _fake_none)}
+          "merge_state": (merge_state_eager, _fake_merge_state),
+          "merge_state_in_place": (merge_state_in_place_eager, _fake_none),
+          "merge_states": (merge_states_eager, _fake_merge_states), "append_paged_kv_cache": (_append, _fake_none)}
 
 for _name, _schema in SCHEMAS.items():
     LIB.define(_schema)

@@ -7,6 +7,7 @@ argument before they need a GPU, so an accepted argument shows as attnjit's NoGP
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import numpy as np
@@ -280,6 +281,49 @@ def test_run_rejects_an_out_whose_elements_overlap_and_a_strided_lse():
         w.run(**inputs, lse=torch.zeros(n * h + 1)[1:].view(n, h))  # an offset lse is fine: 4-byte loads
     with pytest.raises(TypeError, match=r"return_lse must be True or False"):
         w.run(**inputs, return_lse="yes")
+
+
+@pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
+@pytest.mark.parametrize("gap", [-8, 0])
+def test_run_refuses_an_out_or_lse_inside_the_kv_cache(kind, gap):
+    """out (or lse) in the same buffer as the cache: where it reaches into the cache's bytes (gap -8: its first 8
+    elements are the cache's last) run() refuses it before any launch (the kernel would write the pages other CTAs
+    read); right after the cache (gap 0) it is accepted."""
+    w, plan = _planned(kind)
+    inputs = _run_inputs(kind, plan)
+    n, h, d = plan.q_shape
+    name = "v" if kind == "ragged" else "paged_kv_cache"
+    cache = inputs[name]
+    buf = torch.zeros(cache.numel() + gap + n * h * d, dtype=cache.dtype)
+    inputs[name] = buf[:cache.numel()].view(cache.shape)
+    out = buf[cache.numel() + gap:].view(n, h, d)
+    what = "v" if kind == "ragged" else "paged_kv_cache (v)"
+    if gap < 0:
+        with pytest.raises(ValueError, match=rf"^run\(\): out shares memory with {re.escape(what)} "):
+            w.run(**inputs, out=out)
+    else:
+        with pytest.raises(NoGPUError):
+            w.run(**inputs, out=out)
+    # an lse over the cache's bytes (float32 over 16-bit pages), and an lse inside out
+    lse_buf = inputs[name].view(-1)[:2 * n * h].view(torch.float32).view(n, h)
+    with pytest.raises(ValueError, match=r"^run\(\): lse shares memory with "):
+        w.run(**inputs, out=torch.zeros(n, h, d, dtype=plan.o_dtype), lse=lse_buf)
+    own = torch.zeros(n, h, d, dtype=plan.o_dtype)
+    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with lse "):
+        w.run(**inputs, out=own, lse=own.view(-1)[:2 * n * h].view(torch.float32).view(n, h))
+
+
+def test_run_checks_a_kv_tuple_cache_for_an_out_inside_it():
+    w, plan = _planned("paged")
+    inputs = _run_inputs("paged", plan)
+    cache = inputs.pop("paged_kv_cache")
+    k, v = cache[:, 0].clone(), cache[:, 1].clone()
+    n, h, d = plan.q_shape
+    out = k.view(-1)[:n * h * d].view(n, h, d)
+    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with paged_kv_cache \(k\) "):
+        w.run(**inputs, paged_kv_cache=(k, v), out=out)
+    with pytest.raises(NoGPUError):
+        w.run(**inputs, paged_kv_cache=(k, v), out=torch.zeros(n, h, d, dtype=plan.o_dtype))
 
 
 def test_run_window_left_is_an_int():

@@ -90,6 +90,41 @@ def _overlap_free(dims: list[tuple[int, int]]) -> bool:
     return True
 
 
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last + 1) of the bytes a tensor's elements occupy; (0, 0) for an empty one."""
+    if t.numel() == 0:
+        return 0, 0
+    lo = t.data_ptr()
+    if t.is_contiguous():
+        return lo, lo + t.numel() * t.element_size()
+    return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple[tuple[str, tuple[int, int]], ...]
+                        ) -> None:
+    """run()'s out and lse (the tensors its kernel writes) share no byte with each other nor with the spans it reads
+    ((name, byte_span) of the KV operand): an ``out`` that is a view into the KV cache would be written while other
+    CTAs read the pages under it (results that depend on timing, and a corrupted cache). A test of spans: tensors
+    that interleave without sharing an element count as overlapping. (~1 us: run() calls it only for a caller's
+    out or lse.)"""
+    written = (("out", byte_span(out)),) if lse is None else (("out", byte_span(out)), ("lse", byte_span(lse)))
+    for name, (lo, hi) in written:
+        if lo == hi:
+            continue
+        for other, (olo, ohi) in read:
+            if olo < hi and lo < ohi:
+                _shared(name, lo, hi, other, olo, ohi)
+    if lse is not None:
+        (_, (lo, hi)), (_, (olo, ohi)) = written
+        if lo < ohi and olo < hi and lo != hi and olo != ohi:
+            _shared("out", lo, hi, "lse", olo, ohi)
+
+
+def _shared(name: str, lo: int, hi: int, other: str, olo: int, ohi: int) -> None:
+    raise ValueError(f"run(): {name} shares memory with {other} (bytes {lo:#x}..{hi:#x} and {olo:#x}..{ohi:#x}); "
+                     f"the kernel writes {name} while it reads {other}: pass a {name} of its own")
+
+
 def check_no_overlap(name: str, t: torch.Tensor) -> None:
     """A tensor a kernel writes may not have two elements at one address (expand(), as_strided())."""
     if t.is_contiguous() or _overlap_free([(t.stride(d), t.shape[d]) for d in range(t.dim())]):
@@ -148,6 +183,7 @@ class PagedCache:
     stride_inner: int  # slot stride (NHD) / head stride (HND)
     k_ptr: int = 0
     v_ptr: int = 0
+    spans: tuple = ()  # ((name, byte_span), ...) of k and v: what run() keeps out and lse away from
 
 
 def unpack_paged_cache(name: str, cache: Any, layout: str, *, written: bool = False) -> PagedCache:
@@ -184,7 +220,8 @@ def unpack_paged_cache(name: str, cache: Any, layout: str, *, written: bool = Fa
     if written:
         _check_pages_distinct(name, cache, k, v)
     return PagedCache(k=k, v=v, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim,
-                      stride_page=k.stride(0), stride_inner=k.stride(1), k_ptr=k.data_ptr(), v_ptr=v.data_ptr())
+                      stride_page=k.stride(0), stride_inner=k.stride(1), k_ptr=k.data_ptr(), v_ptr=v.data_ptr(),
+                      spans=((f"{name} (k)", byte_span(k)), (f"{name} (v)", byte_span(v))))
 
 
 def _check_pages_distinct(name: str, cache: Any, k: torch.Tensor, v: torch.Tensor) -> None:

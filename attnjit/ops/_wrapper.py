@@ -18,8 +18,8 @@ from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
 from .planner import _LOG2E
-from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, spec_for,
-                      unpack_paged_cache, unsupported, with_family)
+from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, check_written_apart,
+                      spec_for, unpack_paged_cache, unsupported, with_family)
 from ._running import Plan, check_q_out, copies_for, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
@@ -451,10 +451,14 @@ class _AttentionWrapper(FlashInferAliases):
         return (out, lse) if return_lse else out
 
     def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
-                    stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False):
+                    stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False, kv_spans: tuple = ()):
         """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch.
-        kv_rows: the KV operand's pages (paged) or tokens (ragged), for its TMA descriptors."""
+        kv_rows: the KV operand's pages (paged) or tokens (ragged), for its TMA descriptors; kv_spans: its
+        ((name, byte_span), ...), which a caller's out and lse may not touch."""
+        given = out is not None or lse is not None
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        if given:   # (run()'s own out and lse are new allocations)
+            check_written_apart(out, lse, kv_spans)
         post = kv_scales(plan, self._device, k_scale, v_scale)
         if paged and self._use_cuda_graph:  # every argument passed: this cache is what a replay reads (fast_plan)
             self._graph_num_pages = kv_rows
@@ -504,7 +508,8 @@ class _PagedMixin:
             lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, **variant_params: Any):
         """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
         return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout, of the plan's
-        kv_data_type. The wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``).
+        kv_data_type. The wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``). A caller's
+        out and lse may not share memory with the cache or with each other (a ValueError).
 
         k_scale / v_scale: the cache's dequantization scales (keys are k_scale * k, values v_scale * v), each a
         positive float (graph friendly: no device read) or, for an fp8 plan, a float32 [H_kv] tensor of per-KV-head
@@ -529,7 +534,8 @@ class _PagedMixin:
                              f"({planned}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
-                                cache.stride_page, cache.stride_inner, cache.num_pages, paged=True)
+                                cache.stride_page, cache.stride_inner, cache.num_pages, paged=True,
+                                kv_spans=cache.spans)
 
     _op_kind = "paged"
 

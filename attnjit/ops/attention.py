@@ -28,7 +28,7 @@ import torch
 
 from ..variants import Variant
 from . import planner as P
-from ._common import check_tensor, check_vectors, unsupported
+from ._common import byte_span, check_tensor, check_vectors, unsupported
 from ._running import vector_ready
 from ._variants import with_sinks
 from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
@@ -260,7 +260,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                 check_vectors(name, t, (0, 1))
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
+        spans = (("k", byte_span(k)), ("v", byte_span(v))) if out is not None or lse is not None else ()
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
-                                k.stride(0), k.stride(1), k.shape[0])
+                                k.stride(0), k.stride(1), k.shape[0], kv_spans=spans)
 
     _op_kind = "ragged"

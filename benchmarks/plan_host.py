@@ -76,19 +76,22 @@ def planner(name: str, op: str, ws, meta: dict):
                              causal=True, q_data_type=DT, kv_data_type=DT)
 
 
+def _round(fn, calls: int, cuda: bool) -> float:
+    """us per call of ``calls`` calls back to back (the device idle before and drained after, on a GPU)."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def timed(fn, *, rounds: int = 15, calls: int = 20, cuda: bool = False) -> dict:
     for _ in range(10):
         fn()
-    per = []
-    for _ in range(rounds):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        if cuda:
-            torch.cuda.synchronize()
-        per.append((time.perf_counter() - t0) / calls * 1e6)
+    per = [_round(fn, calls, cuda) for _ in range(rounds)]
     return {"min_us": round(min(per), 1), "median_us": round(statistics.median(per), 1)}
 
 
@@ -103,15 +106,7 @@ def interleaved_stats(fns: dict, *, rounds: int = 15, calls: int = 20, cuda: boo
     per: dict = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            fn = fns[n]
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            if cuda:
-                torch.cuda.synchronize()
-            per[n].append((time.perf_counter() - t0) / calls * 1e6)
+            per[n].append(_round(fns[n], calls, cuda))
     return {n: {"min_us": round(min(v), 2), "median_us": round(statistics.median(v), 2)} for n, v in per.items()}
 
 

@@ -55,9 +55,9 @@ def test_staging_is_not_rewritten_while_its_copy_is_in_flight():
     _upload(meta, _work(1, 5000), i32([4]), [])
     assert meta.staging == [a, b] and a.host[:len(staged_a)].tolist() == staged_a.tolist()
     # every plan's device copy holds its own metadata
-    assert keep_a[0].tolist() == staged_a.tolist()
+    assert keep_a[0][:len(staged_a)].tolist() == staged_a.tolist()
     assert keep_b[0][:4].tolist() == [5, 0, 0, 0] and keep_b[0][4:64].tolist() == list(range(1000, 1060))
-    assert keep_b[0][-2:].tolist() == [1, 2]
+    assert keep_b[0][4 + 60 + 2:4 + 60 + 4].tolist() == [1, 2]
     # a's copy completes: a is reused (not a new buffer), and so is b once its copy has run
     a.event.done = True
     _upload(meta, _work(2, 7), i32([3, 3]), [])
@@ -78,9 +78,39 @@ def test_staging_grows_only_a_buffer_whose_copy_has_run():
     (grown,) = meta.staging
     assert grown is not small and grown.size >= 4 + big.size + 2 + 500
     assert keep[0][4:4 + big.size].tolist() == big.reshape(-1).tolist()
-    assert keep[0][-500:].tolist() == list(range(500))
+    at = 4 + big.size + 2
+    assert keep[0][at:at + 500].tolist() == list(range(500))
     # a CUDA device gets pinned buffers and CUDA events; a CPU "device" neither (its copies are synchronous)
     assert not Staging(8, False, None).tensor.is_pinned() and Staging(8, False, None).free()
+
+
+def test_a_device_buffer_is_reused_only_once_no_plan_holds_it():
+    """A plan keeps its device buffer's lease; a later upload takes a kept buffer only where no plan holds its lease
+    (the current plan's, a failed plan's dropped) and its last copy went on the same stream, else a fresh one."""
+    meta = MetadataBuffers(torch.device("cpu"), use_cuda_graph=False, max_work_items=None)
+    keep_a: list = []
+    _upload(meta, _work(3), i32([7, 8, 9]), keep_a)
+    a = keep_a[0]
+    image_a = a[:4 + 36 + 2 + 3].tolist()
+    keep_b: list = []
+    _upload(meta, _work(5, 1000), i32([1, 2]), keep_b)      # a is held: b is another buffer
+    b = keep_b[0]
+    assert b.data_ptr() != a.data_ptr() and a[:len(image_a)].tolist() == image_a
+    del keep_b                                              # b's plan failed (or was replaced): b is free
+    keep_c: list = []
+    _upload(meta, _work(2, 50), i32([4]), keep_c)
+    assert keep_c[0] is b and a[:len(image_a)].tolist() == image_a and b[:4].tolist() == [2, 0, 0, 0]
+    keep_d: list = []                                       # both held: a fresh one, not kept
+    _upload(meta, _work(1, 70), i32([6]), keep_d)
+    assert keep_d[0].data_ptr() not in (a.data_ptr(), b.data_ptr()) and len(meta._dev) == 2
+    assert a[:len(image_a)].tolist() == image_a and b[:4].tolist() == [2, 0, 0, 0]
+    del keep_a, keep_c
+    # a free buffer whose last copy went on another stream is not taken; one too small is replaced
+    buf, lease = meta._device_buffer(8, 1234)
+    assert buf.data_ptr() not in (a.data_ptr(), b.data_ptr())
+    del buf, lease
+    big, lease = meta._device_buffer(5000, None)
+    assert big.numel() >= 5000 and big.data_ptr() not in (a.data_ptr(), b.data_ptr())
 
 
 def test_graph_mode_keeps_one_allocation_for_its_own_page_ids():

@@ -37,7 +37,7 @@ def test_metadata_upload_layout_and_page_ids():
     assert ptr["work_count"] == base and ptr["work"] == base + 16
     assert buf[4:40].tolist() == list(range(36))                       # the records, row-major
     assert ptr["merge_counters"] == base + 4 * 40 and buf[40:48].tolist() == [0] * 8
-    assert ptr["kv_indices"] == base + 4 * 48 and buf[48:].tolist() == [7, 2, 11, 3]  # strided host ids, dense
+    assert ptr["kv_indices"] == base + 4 * 48 and buf[48:52].tolist() == [7, 2, 11, 3]  # strided host ids, dense
 
 
 def test_planning_during_a_graph_capture_is_refused_by_name(monkeypatch):

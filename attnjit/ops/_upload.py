@@ -24,6 +24,7 @@ with host page ids is one copy too.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import numpy as np
@@ -36,7 +37,14 @@ from .scheduler import MAX_WORK_ITEMS, RECORD_FIELDS, WorkPlan, _cplan
 
 RECORD = len(RECORD_FIELDS)  # ints per work record
 _HEAD = 4    # work_count, padded to 16 bytes
-_SLOTS = 2   # staging buffers a wrapper keeps
+_SLOTS = 2   # staging buffers a wrapper keeps, and device buffers (MetadataBuffers._device_buffer)
+
+
+class _Lease:
+    """Held by a plan (its ``keep``) for as long as it may run on a kept device buffer (_device_buffer): the buffer
+    is free once the lease is gone."""
+
+    __slots__ = ("__weakref__",)
 
 
 class Staging:
@@ -59,10 +67,14 @@ class Staging:
         """True when no copy from this buffer may still be in flight."""
         return self.event is None or self.event.query()
 
-    def copied(self) -> None:
-        """Called after the copies from this buffer were issued (on the current stream)."""
+    def copied(self, stream: int | None = None) -> None:
+        """Called after the copies from this buffer were issued (on the current stream; ``stream``: its handle,
+        where the caller has it and the event is a RawEvent)."""
         if self.event is not None:
-            self.event.record()
+            if stream is not None and type(self.event) is RawEvent:
+                self.event.record(stream)
+            else:
+                self.event.record()
 
 
 def _cuda_event():
@@ -122,8 +134,8 @@ class RawEvent:
     def __init__(self, cuda: RawCuda, ptr: int):
         self.cuda, self.ptr = cuda, ptr
 
-    def record(self) -> None:
-        self.cuda.rt.eventRecord(self.ptr, self.cuda.stream())
+    def record(self, stream: int | None = None) -> None:
+        self.cuda.rt.eventRecord(self.ptr, self.cuda.stream() if stream is None else stream)
 
     def query(self) -> bool:
         return self.cuda.rt.eventQuery(self.ptr) == 0
@@ -164,6 +176,8 @@ class MetadataBuffers:
             new_event = self.raw.event if self.raw is not None else _cuda_event
         self._new_event = new_event
         self.staging: list[Staging] = []                 # reused host buffers, at most _SLOTS
+        self._dev: list[tuple] = []   # plans' device buffers: (buffer, its last copy's stream, its lease's
+                                      # weakref) (_device_buffer; not graph mode)
         self._readback: torch.Tensor | None = None      # pinned: device metadata read back by to_host (RawCuda)
         self._readback_memo: tuple | None = None         # to_host's last (key, copies, views)
 
@@ -257,15 +271,40 @@ class MetadataBuffers:
             slots.append(s)
         return s
 
-    def _copy(self, dst: torch.Tensor, slot: Staging, start: int, count: int) -> None:
+    def _device_buffer(self, size: int, stream: int | None) -> tuple[torch.Tensor, "_Lease"]:
+        """A device buffer of at least ``size`` ints for a plan's metadata (not graph mode) and the lease the plan
+        keeps with it. One of the two kept buffers where no plan holds its lease any more and its last copy went on
+        this stream: the copy then lands after, in stream order, every kernel of the plans that used it, as the
+        caching allocator's reuse of a freed block would; a kept one too small is replaced. Else (both leased,
+        another stream, or torch's copy path on a CUDA device: ``stream`` None) a fresh allocation. A device
+        allocation costs the GPU hosts 3-5 us a plan (RESULTS.md, twenty-second session). A plan that fails after
+        its upload cannot touch the current plan's buffer: the current plan holds that lease."""
+        lease = _Lease()
+        kept = self._dev
+        if stream is not None or not self._pinned:
+            for i, (buf, on, held) in enumerate(kept):
+                if held() is None and on == stream:
+                    if buf.numel() < size:
+                        buf = torch.empty(max(size, 2 * buf.numel()), dtype=torch.int32, device=self.device)
+                    kept[i] = (buf, stream, weakref.ref(lease))
+                    return buf, lease
+            if len(kept) < _SLOTS:
+                buf = torch.empty(max(size, 1024), dtype=torch.int32, device=self.device)
+                kept.append((buf, stream, weakref.ref(lease)))
+                return buf, lease
+        return torch.empty(size, dtype=torch.int32, device=self.device), lease
+
+    def _copy(self, dst: torch.Tensor, slot: Staging, start: int, count: int, stream: int | None = None) -> None:
         """``count`` ints of ``slot`` from ``start`` into ``dst`` (a device tensor of at least that many), on the
-        current stream. A kept buffer's copy goes through RawCuda where it is set; a one-off one through torch."""
+        current stream (``stream``, where the caller has it). A kept buffer's copy goes through RawCuda where it is
+        set; a one-off one through torch."""
         if self.raw is not None and type(slot.event) is RawEvent:
             if dst.numel() < count or slot.size < start + count or not dst.is_contiguous():  # raw: unchecked
                 raise AssertionError(f"metadata copy of {count} ints at {start} into {dst.numel()} "
                                      f"({slot.size} staged)")
             raw = self.raw
-            raw.copy(dst.data_ptr(), slot.tensor.data_ptr() + 4 * start, 4 * count, raw.stream())
+            raw.copy(dst.data_ptr(), slot.tensor.data_ptr() + 4 * start, 4 * count,
+                     raw.stream() if stream is None else stream)
         else:
             dst[:count].copy_(slot.tensor[start:start + count], non_blocking=True)
 
@@ -291,10 +330,12 @@ class MetadataBuffers:
         host[head:end] = 0
         if host_ids and used:
             host[end:total] = page_ids.numpy()[:used]
-        dev = torch.empty(total, dtype=torch.int32, device=self.device)
-        self._copy(dev, slot, 0, total)
-        slot.copied()
-        keep.append(dev)
+        raw = self.raw if type(slot.event) is RawEvent else None
+        stream = raw.stream() if raw is not None else None
+        dev, lease = self._device_buffer(total, stream)
+        self._copy(dev, slot, 0, total, stream)
+        slot.copied(stream)
+        keep += (dev, lease)
         base = dev.data_ptr()
         ptr = {"work_count": base, "work": base + 4 * _HEAD, "merge_counters": base + 4 * head}
         if page_ids is not None:

@@ -313,6 +313,29 @@ def test_run_refuses_an_out_or_lse_inside_the_kv_cache(kind, gap):
         w.run(**inputs, out=own, lse=own.view(-1)[:2 * n * h].view(torch.float32).view(n, h))
 
 
+@pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
+def test_run_refuses_an_out_or_lse_over_q(kind):
+    """In-place attention (out is q, or a view over part of it; an lse inside q) is refused before any launch; an
+    out right after q in the same buffer is accepted."""
+    w, plan = _planned(kind)
+    inputs = _run_inputs(kind, plan)
+    q = inputs["q"]
+    n, h, d = plan.q_shape
+    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with q "):
+        w.run(**inputs, out=q)
+    buf = torch.zeros(2 * n * h * d - 8, dtype=q.dtype)   # out's first 8 elements are q's last 8
+    inputs["q"] = buf[:n * h * d].view(n, h, d)
+    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with q "):
+        w.run(**inputs, out=buf[n * h * d - 8:].view(n, h, d))
+    with pytest.raises(ValueError, match=r"^run\(\): lse shares memory with q "):
+        w.run(**inputs, out=torch.zeros(n, h, d, dtype=plan.o_dtype),
+              lse=inputs["q"].view(-1)[:2 * n * h].view(torch.float32).view(n, h))
+    after = torch.zeros(2 * n * h * d, dtype=q.dtype)
+    inputs["q"] = after[:n * h * d].view(n, h, d)
+    with pytest.raises(NoGPUError):
+        w.run(**inputs, out=after[n * h * d:].view(n, h, d))
+
+
 def test_run_checks_a_kv_tuple_cache_for_an_out_inside_it():
     w, plan = _planned("paged")
     inputs = _run_inputs("paged", plan)

@@ -103,8 +103,10 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple[tuple[str, tuple[int, int]], ...]
                         ) -> None:
     """run()'s out and lse (the tensors its kernel writes) share no byte with each other nor with the spans it reads
-    ((name, byte_span) of the KV operand): an ``out`` that is a view into the KV cache would be written while other
-    CTAs read the pages under it (results that depend on timing, and a corrupted cache). A test of spans: tensors
+    ((name, byte_span) of q and the KV operand): an ``out`` that is a view into the KV cache would be written while
+    other CTAs read the pages under it (results that depend on timing, and a corrupted cache); an ``out`` over q
+    (in-place attention) is written before a cascade's next level reads q again, and within one kernel its result
+    would rest on the order in which CTAs read q and write out, which no kernel promises. A test of spans: tensors
     that interleave without sharing an element count as overlapping. (~1 us: run() calls it only for a caller's
     out or lse.)"""
     written = (("out", byte_span(out)),) if lse is None else (("out", byte_span(out)), ("lse", byte_span(lse)))

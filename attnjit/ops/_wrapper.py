@@ -18,8 +18,8 @@ from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
 from .planner import _LOG2E
-from ._common import (SPEC_DTYPE, PagedCache, check_layout, check_metadata, check_tensor, check_written_apart,
-                      spec_for, unpack_paged_cache, unsupported, with_family)
+from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_layout, check_metadata, check_tensor,
+                      check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
 from ._running import Plan, check_q_out, copies_for, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
@@ -458,7 +458,7 @@ class _AttentionWrapper(FlashInferAliases):
         given = out is not None or lse is not None
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         if given:   # (run()'s own out and lse are new allocations)
-            check_written_apart(out, lse, kv_spans)
+            check_written_apart(out, lse, (("q", byte_span(q)),) + kv_spans)
         post = kv_scales(plan, self._device, k_scale, v_scale)
         if paged and self._use_cuda_graph:  # every argument passed: this cache is what a replay reads (fast_plan)
             self._graph_num_pages = kv_rows

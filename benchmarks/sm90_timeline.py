@@ -189,14 +189,19 @@ def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) 
     return flops / best / 1e12
 
 
+LAYOUTS = ("paged", "paged-seq", "ragged")
 SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is one per SM)
 ITEM_BASE = SMS_MAX * WGS * MAX_REC * 8  # int64s before the item records
 
 
-def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128) -> AttentionSpec:
-    """The benchmark's sm90 prefill spec (bf16 q, page 16, group 4) over a ``kv`` cache; sm90_sass.py's too."""
-    return AttentionSpec(op="prefill", head_dim=head_dim, page_size=16, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
-                         mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a", tile=tile)
+def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128,
+          ragged: bool = False) -> AttentionSpec:
+    """The benchmark's sm90 prefill spec (bf16 q, page 16, group 4) over a ``kv`` cache; sm90_sass.py's too. ``ragged``:
+    the same over contiguous K/V tensors (the ragged wrapper)."""
+    paging = dict(kv="ragged") if ragged else dict(page_size=16)
+    return AttentionSpec(op="prefill", head_dim=head_dim, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
+                         mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a", tile=tile,
+                         **paging)
 
 
 def item_report(stamps) -> dict:
@@ -260,9 +265,15 @@ def main() -> int:
     ap.add_argument("--what-if", choices=sorted(WHAT_IFS), help="patch the kernel (WHAT_IFS) before stamping")
     ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
     ap.add_argument("--time", action="store_true", help="also time run() back to back, TFLOP/s per shape")
+    ap.add_argument("--layout", default="paged", choices=LAYOUTS,
+                    help="the K/V operand: pages of 16 in shuffled order (the benchmark's), the same pages in order, "
+                         "or contiguous K and V tensors (the ragged wrapper)")
     args = ap.parse_args()
     jit.render = _stamped(jit.render, stamps=not args.no_stamps, what_if=args.what_if)
-    spec = _spec(not args.non_causal, args.kv, tile=args.tile)
+    ragged = args.layout == "ragged"
+    if ragged and args.kv != "bf16":
+        raise SystemExit("sm90_timeline.py: --layout ragged is over a bf16 cache only")
+    spec = _spec(not args.non_causal, args.kv, tile=args.tile, ragged=ragged)
     if args.build:
         jit.ensure(spec)
         print("built", spec.short_name())
@@ -274,27 +285,37 @@ def main() -> int:
     out = {}
     for shape in args.shapes:
         b, L = (int(x) for x in shape.split("x"))
-        indptr, indices, last, cache = paged_tables(b, L, seed=1)
         qo = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
         q = torch.randn(b * L, 32, 128, dtype=torch.bfloat16, device="cuda")
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
-        fp8 = args.kv == "e4m3"
-        if fp8:
-            cache = cache.to(torch.float8_e4m3fn)
-        w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=not args.non_causal, q_data_type=torch.bfloat16,
-               kv_data_type=cache.dtype, disable_split_kv=True)
+        causal = not args.non_causal
+        if ragged:
+            k = torch.randn(b * L, 8, 128, dtype=torch.bfloat16, device="cuda")
+            v = torch.randn_like(k)
+            w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
+            w.plan(qo, qo, 32, 8, 128, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True)
+            run = lambda: w.run(q, k, v)  # noqa: E731
+        else:
+            indptr, indices, last, cache = paged_tables(b, L, seed=1)
+            if args.layout == "paged-seq":   # the same tables with the pages in order: request r's at r * n ..
+                indices = torch.arange(indices.numel(), dtype=torch.int32, device="cuda")
+            w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
+            if args.kv == "e4m3":
+                cache = cache.to(torch.float8_e4m3fn)
+            w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=causal, q_data_type=torch.bfloat16,
+                   kv_data_type=cache.dtype, disable_split_kv=True)
+            run = lambda: w.run(q, cache)  # noqa: E731
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):
-            w.run(q, cache)
+            run()
         if args.time:
-            out[shape] = {"tflops": round(tflops(lambda: w.run(q, cache), b, L, not args.non_causal), 1)}
-            print(shape, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
+            out[shape] = {"tflops": round(tflops(run, b, L, causal), 1)}
+            print(shape, args.layout, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
                   out[shape], flush=True)
         if args.no_stamps:
             continue
         ws.zero_()
-        w.run(q, cache)
+        run()
         torch.cuda.synchronize()
         sms = torch.cuda.get_device_properties(0).multi_processor_count  # the persistent grid
         assert sms <= SMS_MAX

@@ -307,3 +307,27 @@ def test_sm90_timeline_what_if_patches_still_apply():
     assert tl._stamped(render, stamps=False)(spec).source == plain
     with pytest.raises(SystemExit, match="WHAT_IFS"):
         tl._patched("no such kernel", "no-store")
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sm90_timeline_specs_are_what_its_wrappers_plan(ragged, monkeypatch):
+    """The timeline's spec (paged, or ``--layout ragged``) is the one its wrapper's plan runs: the script asserts it
+    on the GPU, after a build here that must have compiled that very spec."""
+    import torch
+
+    import attnjit
+    from benchmarks import sm90_timeline as tl
+
+    monkeypatch.setenv("ATTNJIT_NUM_SMS", "132")
+    monkeypatch.setenv("ATTNJIT_ARCH", "sm_90a")
+    ws = torch.zeros(1 << 20, dtype=torch.uint8)
+    qo = torch.arange(0, 8 * 2048 + 1, 2048, dtype=torch.int32)
+    if ragged:
+        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="fa3")
+        w.plan(qo, qo, 32, 8, 128, causal=True, q_data_type=torch.bfloat16, disable_split_kv=True)
+    else:
+        pages = torch.arange(0, 8 * 128 + 1, 128, dtype=torch.int32)
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3")
+        w.plan(qo, pages, torch.arange(8 * 128, dtype=torch.int32), torch.full((8,), 16, dtype=torch.int32),
+               32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16, disable_split_kv=True)
+    assert w._plan.spec == tl._spec(True, "bf16", ragged=ragged)

@@ -161,3 +161,20 @@ def column_view(values: list[int]) -> torch.Tensor:
     view = table[:, 0]
     assert view.stride() == (2,) or len(values) <= 1
     return view
+
+
+def planned(kind):
+    """A wrapper of ``kind`` (WRAPPERS) planned on the CPU with its seed arguments, and its plan."""
+    make, args = WRAPPERS[kind]
+    w = make(workspace())
+    w.plan(**args())
+    return w, w._plan
+
+
+def run_inputs(kind, plan):
+    """run()'s q and KV operand (zeros) for a plan of ``kind``: a ragged k and v, else a 15-page paged cache."""
+    shape, dt = plan.q_shape, plan.q_dtype
+    if kind == "ragged":
+        return dict(q=torch.zeros(shape, dtype=dt), k=torch.zeros(17, 8, 64, dtype=dt),
+                    v=torch.zeros(17, 8, 64, dtype=dt))
+    return dict(q=torch.zeros(shape, dtype=dt), paged_kv_cache=torch.zeros(15, 2, 4, 8, 128, dtype=dt))

@@ -21,6 +21,7 @@ from attnjit.ops.attention import BatchDecodeWithPagedKVCacheWrapper, BatchPrefi
 from attnjit.ops.scheduler import MAX_WORK_ITEMS
 from tests.helpers import i32
 from tests.plan_support import WRAPPERS, column_view, decode_args, paged_args, workspace
+from tests.plan_support import planned as _planned, run_inputs as _run_inputs
 
 
 def _rejects(kind: str, exc, pattern: str, **changes) -> None:
@@ -237,21 +238,6 @@ VIEWS_BAD = {"odd": r"\.stride\(\d\)=\d+ elements is not a multiple of 8",
              "offset1": r" must start on a 16-byte boundary"}
 
 
-def _planned(kind):
-    make, args = WRAPPERS[kind]
-    w = make(workspace())
-    w.plan(**args())
-    return w, w._plan
-
-
-def _run_inputs(kind, plan):
-    shape, dt = plan.q_shape, plan.q_dtype
-    if kind == "ragged":
-        return dict(q=torch.zeros(shape, dtype=dt), k=torch.zeros(17, 8, 64, dtype=dt),
-                    v=torch.zeros(17, 8, 64, dtype=dt))
-    return dict(q=torch.zeros(shape, dtype=dt), paged_kv_cache=torch.zeros(15, 2, 4, 8, 128, dtype=dt))
-
-
 @pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
 @pytest.mark.parametrize("arg", ["q", "out"])
 @pytest.mark.parametrize("layout", VIEWS_OK + list(VIEWS_BAD))
@@ -281,72 +267,6 @@ def test_run_rejects_an_out_whose_elements_overlap_and_a_strided_lse():
         w.run(**inputs, lse=torch.zeros(n * h + 1)[1:].view(n, h))  # an offset lse is fine: 4-byte loads
     with pytest.raises(TypeError, match=r"return_lse must be True or False"):
         w.run(**inputs, return_lse="yes")
-
-
-@pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
-@pytest.mark.parametrize("gap", [-8, 0])
-def test_run_refuses_an_out_or_lse_inside_the_kv_cache(kind, gap):
-    """out (or lse) in the same buffer as the cache: where it reaches into the cache's bytes (gap -8: its first 8
-    elements are the cache's last) run() refuses it before any launch (the kernel would write the pages other CTAs
-    read); right after the cache (gap 0) it is accepted."""
-    w, plan = _planned(kind)
-    inputs = _run_inputs(kind, plan)
-    n, h, d = plan.q_shape
-    name = "v" if kind == "ragged" else "paged_kv_cache"
-    cache = inputs[name]
-    buf = torch.zeros(cache.numel() + gap + n * h * d, dtype=cache.dtype)
-    inputs[name] = buf[:cache.numel()].view(cache.shape)
-    out = buf[cache.numel() + gap:].view(n, h, d)
-    what = "v" if kind == "ragged" else "paged_kv_cache (v)"
-    if gap < 0:
-        with pytest.raises(ValueError, match=rf"^run\(\): out shares memory with {re.escape(what)} "):
-            w.run(**inputs, out=out)
-    else:
-        with pytest.raises(NoGPUError):
-            w.run(**inputs, out=out)
-    # an lse over the cache's bytes (float32 over 16-bit pages), and an lse inside out
-    lse_buf = inputs[name].view(-1)[:2 * n * h].view(torch.float32).view(n, h)
-    with pytest.raises(ValueError, match=r"^run\(\): lse shares memory with "):
-        w.run(**inputs, out=torch.zeros(n, h, d, dtype=plan.o_dtype), lse=lse_buf)
-    own = torch.zeros(n, h, d, dtype=plan.o_dtype)
-    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with lse "):
-        w.run(**inputs, out=own, lse=own.view(-1)[:2 * n * h].view(torch.float32).view(n, h))
-
-
-@pytest.mark.parametrize("kind", ["paged", "decode", "ragged"])
-def test_run_refuses_an_out_or_lse_over_q(kind):
-    """In-place attention (out is q, or a view over part of it; an lse inside q) is refused before any launch; an
-    out right after q in the same buffer is accepted."""
-    w, plan = _planned(kind)
-    inputs = _run_inputs(kind, plan)
-    q = inputs["q"]
-    n, h, d = plan.q_shape
-    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with q "):
-        w.run(**inputs, out=q)
-    buf = torch.zeros(2 * n * h * d - 8, dtype=q.dtype)   # out's first 8 elements are q's last 8
-    inputs["q"] = buf[:n * h * d].view(n, h, d)
-    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with q "):
-        w.run(**inputs, out=buf[n * h * d - 8:].view(n, h, d))
-    with pytest.raises(ValueError, match=r"^run\(\): lse shares memory with q "):
-        w.run(**inputs, out=torch.zeros(n, h, d, dtype=plan.o_dtype),
-              lse=inputs["q"].view(-1)[:2 * n * h].view(torch.float32).view(n, h))
-    after = torch.zeros(2 * n * h * d, dtype=q.dtype)
-    inputs["q"] = after[:n * h * d].view(n, h, d)
-    with pytest.raises(NoGPUError):
-        w.run(**inputs, out=after[n * h * d:].view(n, h, d))
-
-
-def test_run_checks_a_kv_tuple_cache_for_an_out_inside_it():
-    w, plan = _planned("paged")
-    inputs = _run_inputs("paged", plan)
-    cache = inputs.pop("paged_kv_cache")
-    k, v = cache[:, 0].clone(), cache[:, 1].clone()
-    n, h, d = plan.q_shape
-    out = k.view(-1)[:n * h * d].view(n, h, d)
-    with pytest.raises(ValueError, match=r"^run\(\): out shares memory with paged_kv_cache \(k\) "):
-        w.run(**inputs, paged_kv_cache=(k, v), out=out)
-    with pytest.raises(NoGPUError):
-        w.run(**inputs, paged_kv_cache=(k, v), out=torch.zeros(n, h, d, dtype=plan.o_dtype))
 
 
 def test_run_window_left_is_an_int():
@@ -447,6 +367,9 @@ def test_a_cached_single_plan_is_not_reused_for_an_equal_value_of_another_type(n
 
 # --- append and merge: checked on the host, then attnjit's own no-GPU error ---------------------------------
 
+_SHARED = torch.zeros(6, 2, 4, 2, 64, dtype=torch.float16)   # a cache an append_key is carved from
+
+
 def _append_args(**changes):
     cache = torch.zeros(6, 2, 4, 2, 64, dtype=torch.float16)
     args = dict(append_key=torch.zeros(3, 2, 64, dtype=torch.float16),
@@ -479,6 +402,11 @@ def _append_args(**changes):
     (dict(kv_indptr=i32([0, 3, 2])), ValueError, r"^kv_indptr must be non-decreasing"),
     (dict(kv_indices=i32([3, 1, 6])), ValueError, r"^kv_indices holds page ids outside 0..5"),
     (dict(check="yes"), TypeError, r"^check must be True or False"),
+    (dict(positions=i32([4, 4, 0])), ValueError,
+     r"^tokens 0 and 1 \(batch_indices 0 / 0, positions 4 / 4\) are both written to page 1 slot 0"),
+    (dict(kv_indices=i32([3, 1, 1])), ValueError, r"^tokens 0 and 2 .* are both written to page 1 slot 0"),
+    (dict(append_key=_SHARED[0, 0, :3], paged_kv_cache=_SHARED), ValueError,
+     r"^append_key shares memory with paged_kv_cache \(k\) "),
 ])
 def test_append_rejects(changes, exc, pattern):
     check = changes.pop("check", True)
@@ -551,3 +479,39 @@ def test_merge_states_views(layout):
     else:
         with pytest.raises(NoGPUError, match=r"merge_states: v is on cpu"):
             attnjit.merge_states(v, s)
+
+
+def test_the_work_item_and_row_limits_hold_on_the_one_item_a_request_path():
+    """A batch of one-row requests (decode, or prefill with a single token each) takes the scheduler's one-item-per-
+    request path: it refuses more than MAX_WORK_ITEMS items as the split path does, and decode more than MAX_QO_ROWS
+    requests, each by name (before the work list or the reader's arrays are built)."""
+    from attnjit.ops.planner import MAX_QO_ROWS
+    from attnjit.ops.scheduler import MAX_WORK_ITEMS
+
+    ws = torch.zeros(32 << 20, dtype=torch.uint8)
+    z = torch.zeros(1, dtype=torch.int32)
+    n = MAX_WORK_ITEMS + 1
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(ws)
+    with pytest.raises(ValueError, match=rf"would need {n} work items"):
+        w.plan(torch.arange(n + 1, dtype=torch.int32), z.expand(n), torch.ones(1, dtype=torch.int32).expand(n), 32, 8,
+               128, 4, q_data_type=torch.float16)
+    big = MAX_QO_ROWS + 1
+    with pytest.raises(ValueError, match=rf"a batch of {big} requests"):
+        w.plan(torch.zeros(1, dtype=torch.int32).expand(big + 1), z.expand(1), z.expand(big), 32, 8, 128, 4,
+               q_data_type=torch.float16)
+    w.plan(i32([0, 1]), i32([0]), i32([1]), 32, 8, 128, 4, q_data_type=torch.float16)   # still plans
+
+
+def test_single_prefill_checks_the_mask_shape_and_lengths_by_name():
+    q = torch.zeros(4, 8, 64, dtype=torch.float16)
+    k = torch.zeros(6, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"custom_mask must be \[qo_len, kv_len\] = \[4, 6\] .* got \[6, 4\]"):
+        attnjit.single_prefill_with_kv_cache(q, k, k, custom_mask=torch.ones(6, 4, dtype=torch.bool))
+    for mask in (torch.ones(4, 6, dtype=torch.bool), torch.ones(24, dtype=torch.bool)):
+        with pytest.raises(NoGPUError):
+            attnjit.single_prefill_with_kv_cache(q, k, k, custom_mask=mask)
+    huge = torch.zeros(1, 2, 64, dtype=torch.float16).expand(2 ** 31, 2, 64)
+    with pytest.raises(ValueError, match=r"^k has 2147483648 tokens: more than one request takes"):
+        attnjit.single_prefill_with_kv_cache(q, huge, huge)
+    with pytest.raises(ValueError, match=r"^q has 2147483648 tokens"):
+        attnjit.single_prefill_with_kv_cache(torch.zeros(1, 8, 64, dtype=torch.float16).expand(2 ** 31, 8, 64), k, k)

@@ -118,6 +118,16 @@ def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple
                                  f"{name} of its own")
 
 
+def check_apart_from(written: tuple[str, tuple[int, int]], read: tuple[tuple[str, tuple[int, int]], ...]) -> None:
+    """run()'s inputs ((name, byte_span) of q and the KV operand) share no byte with the workspace its kernels write
+    partial states into (``written``): a q or cache carved out of float_workspace_buffer would be overwritten."""
+    name, (lo, hi) = written
+    for other, (olo, ohi) in read:
+        if olo < hi and lo < ohi:
+            raise ValueError(f"run(): {other} shares memory with {name} (bytes {olo:#x}..{ohi:#x} and {lo:#x}..{hi:#x})"
+                             f"; the kernels write partial states into {name}: give {other} memory of its own")
+
+
 def check_no_overlap(name: str, t: torch.Tensor) -> None:
     """A tensor a kernel writes may not have two elements at one address (expand(), as_strided())."""
     if t.is_contiguous() or _overlap_free([(t.stride(d), t.shape[d]) for d in range(t.dim())]):

@@ -89,6 +89,9 @@ def check_q_out(plan: Plan, device: torch.device, q: torch.Tensor, out, lse, ret
         check_vectors("out", out, (0, 1))
     if not out.is_contiguous():
         check_no_overlap("out", out)
+    if out.requires_grad:
+        raise ValueError("run(): out requires grad, but attnjit's kernels write it outside autograd (no backward); "
+                         "pass an out that does not require grad (e.g. out.detach())")
     if lse is None and return_lse:
         lse = torch.empty(shape[:2], dtype=torch.float32, device=dev)
     elif lse is not None:

@@ -18,8 +18,8 @@ from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
 from .planner import _LOG2E
-from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_layout, check_metadata, check_tensor,
-                      check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
+from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_apart_from, check_layout, check_metadata,
+                      check_tensor, check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
 from ._running import Plan, check_q_out, copies_for, kv_scales, launch, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
@@ -131,6 +131,7 @@ class _AttentionWrapper(FlashInferAliases):
             if not 1 <= max_work_items <= MAX_WORK_ITEMS:
                 raise ValueError(f"max_work_items must be 1..{MAX_WORK_ITEMS}, got {max_work_items}")
         self._workspace = float_workspace_buffer
+        self._ws_span = byte_span(float_workspace_buffer)   # the kernels write partial states into it (run())
         self._device = float_workspace_buffer.device
         self._kv_layout = check_layout(kv_layout)
         self._use_cuda_graph = P.as_flag("use_cuda_graph", use_cuda_graph)
@@ -457,8 +458,11 @@ class _AttentionWrapper(FlashInferAliases):
         ((name, byte_span), ...), which a caller's out and lse may not touch."""
         given = out is not None or lse is not None
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
+        ws = ("float_workspace_buffer", self._ws_span)
+        read = (("q", byte_span(q)),) + kv_spans
         if given:   # (run()'s own out and lse are new allocations)
-            check_written_apart(out, lse, (("q", byte_span(q)),) + kv_spans)
+            check_written_apart(out, lse, read + (ws,))
+        check_apart_from(ws, read)
         post = kv_scales(plan, self._device, k_scale, v_scale)
         if paged and self._use_cuda_graph:  # every argument passed: this cache is what a replay reads (fast_plan)
             self._graph_num_pages = kv_rows
@@ -571,6 +575,9 @@ class _PagedMixin:
             P.check_meta(n_indptr, indptr, dev)
             if indptr.numel() < 1:
                 raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
+            if indptr.numel() - 1 > P.MAX_QO_ROWS:   # one query row a request
+                raise ValueError(f"{n_indptr} gives a batch of {indptr.numel() - 1} requests, one query row each: more "
+                                 f"than one plan takes ({P.MAX_QO_ROWS} rows); plan fewer requests")
             P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
             P.check_meta(n_indices, indices, dev)
             rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None

@@ -260,7 +260,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
                 check_vectors(name, t, (0, 1))
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
-        spans = (("k", byte_span(k)), ("v", byte_span(v))) if out is not None or lse is not None else ()
+        spans = (("k", byte_span(k)), ("v", byte_span(v)))
         return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
                                 k.stride(0), k.stride(1), k.shape[0], kv_spans=spans)
 

@@ -185,6 +185,8 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan()")
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
+        if type(return_lse) is not bool:
+            raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
         last, prefix = self._batch_prefill_wrappers[-1], self._batch_prefill_wrappers[:-1]
         rest = list(zip(prefix, self._scratch))
         self._overlapped = self._can_overlap(q)

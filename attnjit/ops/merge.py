@@ -11,8 +11,8 @@ import torch
 from .. import dispatch
 from ..generator import PARAMS
 from ..specs import HEAD_DIMS
-from ._common import (COMPUTE_DTYPES, SPEC_DTYPE, check_head_dim, check_no_overlap, check_tensor, check_vectors,
-                      require_cuda, spec_for)
+from ._common import (COMPUTE_DTYPES, SPEC_DTYPE, byte_span, check_head_dim, check_no_overlap, check_tensor,
+                      check_vectors, require_cuda, spec_for)
 
 _BLOCK = 128
 _launches = dispatch.module_memo()  # (dtype, head_dim, device index) -> {kernel name: Launch}: per call one lookup
@@ -107,8 +107,34 @@ def merge_state_in_place_eager(v, s, v_other, s_other, mask=None) -> None:
                              f"dense array), got shape {list(mask.shape)} strides {mask.stride()}")
     check_no_overlap("v", v)
     check_no_overlap("s", s)
+    _check_in_place_apart(v, s, v_other, s_other, mask)
     require_cuda("merge_state_in_place", "v", v)
     _merge_two(v, s, v_other, s_other, v, s, mask)
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+
+
+def _check_in_place_apart(v, s, v_other, s_other, mask) -> None:
+    """merge_state_in_place writes v and s while it reads v_other, s_other and mask, each element by the thread that
+    reads the same row: v and s share no byte; v_other (s_other) is v (s) itself or shares no byte with v and s; the
+    mask shares none. Anything else (v_other one row off v, s over v's bytes, a mask inside s) is a race whose result
+    depends on timing."""
+    written = (("v", byte_span(v)), ("s", byte_span(s)))
+    (_, (vlo, vhi)), (_, (slo, shi)) = written
+    if vlo < shi and slo < vhi:
+        raise ValueError(f"merge_state_in_place: v and s share memory (bytes {vlo:#x}..{vhi:#x} and "
+                         f"{slo:#x}..{shi:#x}); the kernel writes both: give each memory of its own")
+    for name, t, own in (("v_other", v_other, v), ("s_other", s_other, s), ("mask", mask, None)):
+        if t is None or (own is not None and _same_view(t, own)):
+            continue
+        lo, hi = byte_span(t)
+        for wname, (wlo, whi) in written:
+            if lo < whi and wlo < hi:
+                raise ValueError(f"merge_state_in_place: {name} shares memory with {wname} (bytes {lo:#x}..{hi:#x} "
+                                 f"and {wlo:#x}..{whi:#x}) without being it; the kernel writes {wname} while it reads "
+                                 f"{name}: pass {name} in memory of its own (or {wname} itself)")
 
 
 def _merge_two(v_a, s_a, v_b, s_b, v_out, s_out, mask) -> None:

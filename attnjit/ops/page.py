@@ -7,8 +7,8 @@ import torch
 
 from .. import dispatch
 from ..generator import PARAMS
-from ._common import (SPEC_DTYPE, check_head_dim, check_layout, check_metadata, check_page_size, check_tensor,
-                      check_vectors, require_cuda, spec_for, unpack_paged_cache)
+from ._common import (SPEC_DTYPE, byte_span, check_head_dim, check_layout, check_metadata, check_page_size,
+                      check_tensor, check_vectors, require_cuda, spec_for, unpack_paged_cache)
 from ..specs import MAX_PAGE_SIZE
 from .planner import INT32_MAX, check_indptr
 
@@ -73,9 +73,11 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
     """Write append_key/append_value [nnz, H_kv, D] into the pages of their requests.
 
     Token i goes to request batch_indices[i] at position positions[i]: page kv_indices[kv_indptr[b] + pos //
-    page_size], slot pos % page_size. Shapes, dtypes and devices are always checked. Values are checked on the
-    host only with ``check=True`` (it synchronizes); without it, a token whose position lies outside its
-    request's pages is skipped by the kernel, which never writes out of bounds.
+    page_size], slot pos % page_size. Shapes, dtypes and devices are always checked, and that append_key and
+    append_value share no memory with the cache. Values are checked on the host only with ``check=True`` (it
+    synchronizes), including that no two tokens land in one (page, slot); without it, a token whose position lies
+    outside its request's pages is skipped by the kernel, which never writes out of bounds, and two tokens bound for
+    one slot leave either one there.
 
     The kernel reads batch_indices, positions, kv_indptr and kv_indices as dense arrays (a strided view such as a
     table's column is an error, not a silent misread); keys and values are read 16 bytes at a time; the cache's
@@ -101,6 +103,12 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
             raise ValueError(f"{name} must be [nnz, H_kv={cache.num_kv_heads}, D={cache.head_dim}] with a contiguous "
                              f"last dim; got {list(t.shape)} strides {t.stride()}")
         check_vectors(name, t, (0, 1))
+    for name, t in (("append_key", append_key), ("append_value", append_value)):
+        lo, hi = byte_span(t)
+        for wname, (wlo, whi) in cache.spans:
+            if lo < whi and wlo < hi:
+                raise ValueError(f"{name} shares memory with {wname} (bytes {lo:#x}..{hi:#x} and {wlo:#x}..{whi:#x}); "
+                                 f"the kernel reads {name} while it writes the cache: pass {name} in memory of its own")
     nnz = append_key.shape[0]
     if append_value.shape[0] != nnz:
         raise ValueError(f"append_value has {append_value.shape[0]} tokens, append_key {nnz}")
@@ -164,6 +172,14 @@ def _check_values(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_
         bi = int(b[i])
         raise ValueError(f"positions[{i}]={int(pos[i])} is outside request {bi}'s KV length {int(kv_len[bi])} "
                          f"(pages {int(pages[bi])}, last_page_len {int(last[bi])})")
-    used = kv_indices[:int(indptr[-1])]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.num_pages):
+    used = kv_indices[:int(indptr[-1])].cpu().numpy().astype(np.int64)
+    if used.size and (int(used.min()) < 0 or int(used.max()) >= cache.num_pages):
         raise ValueError(f"kv_indices holds page ids outside 0..{cache.num_pages - 1}")
+    # two tokens bound for one (page, slot) would race: which one the cache keeps would depend on timing
+    target = used[indptr[b] + pos // cache.page_size] * cache.page_size + pos % cache.page_size
+    values, counts = np.unique(target, return_counts=True)
+    if counts.size and counts.max() > 1:
+        i, j = (int(x) for x in np.flatnonzero(target == values[int(np.argmax(counts > 1))])[:2])
+        raise ValueError(f"tokens {i} and {j} (batch_indices {int(b[i])} / {int(b[j])}, positions {int(pos[i])} / "
+                         f"{int(pos[j])}) are both written to page {int(target[i]) // cache.page_size} slot "
+                         f"{int(target[i]) % cache.page_size}: each slot takes one token an append")

@@ -358,6 +358,7 @@ def _plan_arrays(plan: WorkPlan, q: np.ndarray, k: np.ndarray, tiles: np.ndarray
     if chunk is None and len(tiles) and bool((tiles == 1).all()):
         # fast path (every decode batch, most small prefills): one item per request, the whole history; with one q
         # tile per request the causal end is the history's end, so the cost is rows x kv length
+        _check_count(len(q), cta_q, chunk, fixed_chunk)
         order = np.argsort(-(q * np.maximum(k, 1)), kind="stable")
         recs = np.empty((len(q), 12), dtype=np.int32)
         recs[:, 0] = order

@@ -15,6 +15,7 @@ import torch
 from ..variants import Variant
 from ._common import check_layout, check_tensor, unsupported
 from ._running import vector_ready
+from .planner import MAX_KV_LEN, MAX_QO_ROWS
 from .attention import BatchPrefillWithRaggedKVCacheWrapper
 
 _single_workspaces: dict[torch.device, torch.Tensor] = {}
@@ -81,6 +82,15 @@ def single_prefill_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cust
         k, v = k.transpose(0, 1), v.transpose(0, 1)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}")
+    for name, rows, most in (("q", q.shape[0], MAX_QO_ROWS), ("k", k.shape[0], MAX_KV_LEN)):
+        if rows > most:   # (before the int32 indptr is built, which would overflow)
+            raise ValueError(f"{name} has {rows} tokens: more than one request takes ({most})")
+    if isinstance(custom_mask, torch.Tensor) and custom_mask.dim() != 1 and \
+            tuple(custom_mask.shape) != (q.shape[0], k.shape[0]):
+        # FlashInfer's single-request mask is [qo_len, kv_len]: any other 2-D shape of as many elements (its
+        # transpose) would be flattened into a different mask
+        raise ValueError(f"custom_mask must be [qo_len, kv_len] = [{q.shape[0]}, {k.shape[0]}] (or flattened to 1-D), "
+                         f"got {list(custom_mask.shape)}")
     wrapper = _planned(q, k, variant=variant, cached=cached, backend=backend, causal=causal, sm_scale=sm_scale,
                        custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                        pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -56,6 +57,29 @@ def _cache(args) -> Cache:
     return Cache(args.cache_dir) if getattr(args, "cache_dir", None) else Cache()
 
 
+def _with_arch(text: str, arch: str) -> str:
+    """A --spec with ``arch`` where it names none (key=value form or JSON); a key given twice is an error (the last
+    would win silently)."""
+    if text.lstrip().startswith("{"):
+        obj = json.loads(text, object_pairs_hook=_unique_pairs)
+        if isinstance(obj, dict) and "arch" not in obj:
+            obj["arch"] = arch
+        return json.dumps(obj)
+    keys = [part.split("=", 1)[0].strip() for part in text.split(",") if part.strip()]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given more than once")
+    return text if "arch" in keys else f"{text},arch={arch}"
+
+
+def _unique_pairs(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} given more than once")
+    return dict(pairs)
+
+
 def _specs(args) -> list[AttentionSpec]:
     """The specs of the catalogs and --spec options, each spec that names no arch once per target arch."""
     from .arch import build_archs
@@ -71,8 +95,7 @@ def _specs(args) -> list[AttentionSpec]:
                                "op=decode,head_dim=128,page_size=16,dtype=bf16")
         for arch in archs:
             try:
-                named = "arch=" in text or text.lstrip().startswith("{")
-                s = AttentionSpec.parse(text if named else f"{text},arch={arch}")
+                s = AttentionSpec.parse(_with_arch(text, arch))
             except (SpecError, ValueError) as exc:
                 raise CatalogError("--spec", None, getattr(exc, "field", None), str(exc)) from None
             except TypeError as exc:  # a JSON object without op
@@ -113,6 +136,15 @@ def _out_dir(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty -o names no directory")
     return text
+
+
+def _pack_name(text: str) -> str:
+    from .pack import check_name
+
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _jobs(text: str) -> int:
@@ -195,9 +227,11 @@ def cmd_warm(args) -> int:
 
 
 def cmd_pack(args) -> int:
-    from .pack import Packed, pack
+    from .pack import Packed, check_name, pack
     from .progress import counts, summary_line
 
+    name = args.name or (Path(args.catalogs[0]).stem if args.catalogs else "kernels")
+    check_name(name)   # before any build (a catalog's file name is the default)
     specs = _specs(args)
     cache = _cache(args)
     results, stopped, seconds = run_build(args, specs, cache)
@@ -210,7 +244,6 @@ def cmd_pack(args) -> int:
         return 1
     items = list({r.entry.key: Packed(r.entry, r.job.source, r.job.context.canonical())
                   for r in results if r.entry is not None}.values())
-    name = args.name or (Path(args.catalogs[0]).stem if args.catalogs else "kernels")
     written = pack(items, Path(args.output), name=name, version=args.pkg_version,
                    formats=tuple(args.format.split(",")))
     for path in written:
@@ -499,7 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec_args(p)
     build_args(p)
     p.add_argument("-o", "--output", required=True, type=_out_dir, metavar="DIR", help="where the packages go")
-    p.add_argument("--name", help="package name (default: the first catalog's name)")
+    p.add_argument("--name", type=_pack_name,
+                   help="package name: letters, digits and _ . - (default: the first catalog's name)")
     p.add_argument("--pkg-version", default="1.0.0", help="the packages' version (default 1.0.0)")
     p.add_argument("--format", type=_formats, default=",".join(FORMATS),
                    help=f"comma-separated, any of {', '.join(FORMATS)} (default all)")
@@ -539,6 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _err("interrupted")
         return 130
+    except BrokenPipeError:   # `attnjit render ... | head`: the reader is gone; nothing more to say, as cat does
+        try:
+            sys.stdout = open(os.devnull, "w")   # so that the interpreter's final flush does not raise again
+        except OSError:
+            pass
+        return 141
     except (ValueError, OSError) as exc:
         _err(f"{type(exc).__name__}: {exc}")
         return 1

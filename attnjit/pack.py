@@ -22,10 +22,13 @@ import importlib.metadata
 import importlib.util
 import io
 import json
+import os
 import re
+import shutil
 import sys
 import tarfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -44,6 +47,17 @@ class Packed:
     entry: Entry
     source: str     # the rendered source the key was computed from
     spec: str       # canonical spec
+
+
+def check_name(name: str) -> str:
+    """A pack's name goes into the wheel's module docstring, its entry point and file names: letters, digits, and
+    ``_ . -`` inside, at most 100 characters (a quote or a newline would write code or metadata of its own)."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,98}[A-Za-z0-9])?", name):
+        raise ValueError(f"--name {name!r} is not a package name: use letters, digits and _ . - inside (at most 100 "
+                         "characters), e.g. my_model (a catalog's file name is the default: pass --name for one "
+                         "that is not)")
+    package_name(name)
+    return name
 
 
 def package_name(name: str) -> str:
@@ -77,20 +91,43 @@ def _layer_files(items: list[Packed], name: str, version: str) -> dict[str, byte
     return files
 
 
-def write_dir(dest: Path, files: dict[str, bytes]) -> None:
-    if dest.exists():
+@contextmanager
+def _published(dest: Path):
+    """Write ``dest`` (a file or a directory) under a temporary name beside it and rename it into place only once
+    complete: a killed or failed pack leaves no partial artifact under the final name (and no temporary one behind
+    on an error). An existing ``dest`` is an error: a pack never overwrites a layer someone may have installed."""
+    if dest.exists() or dest.is_symlink():
         raise FileExistsError(f"{dest} exists; remove it or choose another -o")
-    dest.mkdir(mode=0o755, parents=True)
-    dest.chmod(0o755)
-    for rel, data in sorted(files.items()):
-        path = dest / rel
-        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        path.parent.chmod(0o755)
-        path.write_bytes(data)
-        path.chmod(0o644)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        os.rename(tmp, dest)
+    except BaseException:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_dir(dest: Path, files: dict[str, bytes]) -> None:
+    with _published(dest) as tmp:
+        tmp.mkdir(mode=0o755)
+        tmp.chmod(0o755)
+        for rel, data in sorted(files.items()):
+            path = tmp / rel
+            path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+            path.parent.chmod(0o755)
+            path.write_bytes(data)
+            path.chmod(0o644)
 
 
 def write_tar(dest: Path, top: str, files: dict[str, bytes]) -> None:
+    with _published(dest) as tmp:
+        _write_tar(tmp, top, files)
+
+
+def _write_tar(dest: Path, top: str, files: dict[str, bytes]) -> None:
     with tarfile.open(dest, "w:gz", format=tarfile.PAX_FORMAT) as tar:
         dirs = sorted({"/".join(rel.split("/")[:i]) for rel in files for i in range(1, rel.count("/") + 1)})
         for d in [""] + dirs:
@@ -125,7 +162,7 @@ def write_wheel(out_dir: Path, name: str, version: str, files: dict[str, bytes],
     record = [_record_line(p, d) for p, d in contents.items()] + [f"{info}/RECORD,,"]
     contents[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
     path = out_dir / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+    with _published(path) as tmp, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
         for rel, data in contents.items():
             zi = zipfile.ZipInfo(rel, date_time=_ZIP_TIME)
             zi.external_attr = (0o100644 << 16)
@@ -139,7 +176,7 @@ def pack(items: list[Packed], out_dir: Path, *, name: str, version: str,
     """Write the requested artifacts into ``out_dir``; returns their paths."""
     if not re.fullmatch(r"\d+(\.\d+)*([a-z]+\d*)?(\+[a-z0-9.]+)?", version):
         raise ValueError(f"--pkg-version {version!r} is not a version like 1.0.0 (PEP 440)")
-    package_name(name)
+    check_name(name)
     files = _layer_files(items, name, version)
     out_dir.mkdir(parents=True, exist_ok=True)
     top = f"attnjit-kernels-{re.sub(r'[^a-zA-Z0-9]+', '-', name).strip('-')}"

@@ -247,6 +247,24 @@ def test_render_of_one_spec():
     assert proc.stdout == f"// ===== {APPEND_FP16.canonical()}\n" + render(APPEND_FP16).source
 
 
+@pytest.mark.parametrize("spec,arch", [
+    ('{"op":"merge_state","head_dim":64,"dtype":"fp16"}', "sm_80"),                 # JSON without arch: --arch's
+    ('{"op":"merge_state","head_dim":64,"dtype":"fp16","arch":"sm_90a"}', "sm_90a"),  # JSON's own arch
+    ("op=merge_state,head_dim=64,dtype=fp16", "sm_80"),
+])
+def test_a_spec_that_names_no_arch_takes_the_arch_option_in_either_form(spec, arch):
+    proc = run_cli("render", "--spec", spec, "--arch", "sm_80")
+    assert proc.returncode == 0 and proc.stdout.splitlines()[0].endswith(f'"arch":"{arch}"}}')
+
+
+@pytest.mark.parametrize("spec", ["op=merge_state,head_dim=64,head_dim=128,dtype=fp16",
+                                  '{"op":"merge_state","head_dim":64,"head_dim":128,"dtype":"fp16"}'])
+def test_a_spec_key_given_twice_is_an_error(spec):
+    proc = run_cli("render", "--spec", spec)
+    assert proc.returncode != 0 and proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("head_dim given more than once")
+
+
 # --- catalog from-log -------------------------------------------------------------------------------------------
 
 def test_sample_log_has_the_dispatch_record_format():
@@ -400,3 +418,18 @@ def test_cache_prune_keep_removes_what_the_catalogs_no_longer_build(golden, tmp_
     assert run_cli("cache", "verify", "--cache-dir", root).stdout.strip() == "2 entries checked, 0 bad"
     proc = run_cli("cache", "prune", "--cache-dir", root)
     assert proc.returncode == 2 and "--keep CATALOG" in proc.stderr
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    """`attnjit render ... | head -1`: a closed pipe exits 141 (as a command killed by SIGPIPE) with nothing on stderr."""
+    import subprocess
+    import sys
+
+    # (the default catalog renders to megabytes: far more than a pipe's buffer holds)
+    proc = subprocess.Popen([sys.executable, "-m", "attnjit.cli", "render", "default", "--arch", "sm_80"],
+                            stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "ATTNJIT_CACHE_DIR": str(tmp_path)})
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait() == 141 and err == b""

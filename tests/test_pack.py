@@ -174,6 +174,10 @@ def test_pack_refuses_an_entry_whose_manifest_names_no_source(tmp_path):
     (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "-o", "x", "--format", "zip"),
      "argument --format: 'zip': expected a comma-separated list of wheel, dir, tar"),
     (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "-o", ""), "an empty"),
+    (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "-o", "x", "--name", 'x"""; import os; """'),
+     "is not a package name"),
+    (("pack", "--spec", "op=merge_state,head_dim=64,dtype=fp16", "-o", "x", "--name", "good\n[console_scripts]"),
+     "is not a package name"),
 ])
 def test_bad_pack_arguments_are_one_error_line(tmp_path, args, words):
     proc = run_cli(*args)
@@ -208,6 +212,17 @@ def test_shipped_catalogs_are_named_and_the_old_paths_still_work(tmp_path):
     assert proc.returncode == 0 and proc.stdout.count("// ===== ") == 1
 
 
+def test_a_catalog_whose_file_name_is_no_package_name_is_refused_before_any_build(tmp_path):
+    cat = tmp_path / 'x"; import os; "'
+    cat.mkdir()
+    toml = cat / 'evil"name.toml'
+    toml.write_text('[[spec]]\nop = "merge_state"\nhead_dim = 64\ndtype = "fp16"\n')
+    proc = run_cli("pack", toml, "-o", tmp_path / "out", "--cache-dir", tmp_path / "c")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr and "is not a package name" in proc.stderr
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").rglob("*.cubin"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_package_data_lists_the_catalogs():
     text = (REPO / "pyproject.toml").read_text()
     assert '"catalogs/*.toml"' in text
@@ -225,3 +240,25 @@ def test_the_docs_list_every_setting_and_the_license_is_apache():
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert "END OF TERMS AND CONDITIONS" in license_text and 'license = { text = "Apache-2.0" }' in \
         (REPO / "pyproject.toml").read_text()
+
+
+def test_an_artifact_appears_whole_or_not_at_all_and_is_never_overwritten(tmp_path, monkeypatch):
+    """Each artifact is written under a temporary name and renamed into place: a failure while writing leaves
+    neither a partial artifact nor the temporary one; an existing artifact is an error, not overwritten."""
+    from attnjit import pack as pk
+
+    files = {"index.json": b"{}", "ab/manifest.json": b"{}"}
+    def broken(dest, top, files):
+        Path(dest).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(pk, "_write_tar", broken)
+    with pytest.raises(OSError, match="No space left"):
+        pk.write_tar(tmp_path / "k.tar.gz", "k", files)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    pk.write_tar(tmp_path / "k.tar.gz", "k", files)
+    with pytest.raises(FileExistsError, match="exists; remove it or choose another -o"):
+        pk.write_tar(tmp_path / "k.tar.gz", "k", files)
+    pk.write_dir(tmp_path / "layer", files)
+    assert (tmp_path / "layer" / "ab" / "manifest.json").read_bytes() == b"{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.tar.gz", "layer"]

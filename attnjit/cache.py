@@ -73,6 +73,23 @@ def _json_kind(value: Any) -> str:
     return next(name for t, name in _JSON_KINDS if isinstance(value, t))
 
 
+def _printable_fields(manifest: dict) -> str | None:
+    """Why the fields cache list prints are unfit to print (a number that is not a finite, sane duration; control
+    characters in a string, which would forge rows or escape codes), or None."""
+    secs = manifest.get("compile_seconds", 0.0)
+    try:
+        sane = 0.0 <= float(secs) <= 1e7
+    except OverflowError:
+        sane = False
+    if not sane:
+        return "manifest.json compile_seconds is not a duration of 0 to 1e7 seconds"
+    for name in ("label", "created"):
+        text = manifest.get(name, "")
+        if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text):
+            return f"manifest.json {name} holds control characters"
+    return None
+
+
 def default_root() -> Path:
     return knobs.CACHE_DIR.get() or Path.home() / ".cache" / "attnjit"
 
@@ -205,6 +222,9 @@ class Cache:
         for name, like in _FIELD_TYPES.items():  # what cache list, pack and the dispatch record read
             if name in manifest and _json_kind(manifest[name]) != _json_kind(like):
                 return None, f"manifest.json {name} is {_json_kind(manifest[name])}, expected {_json_kind(like)}"
+        problem = _printable_fields(manifest)
+        if problem:
+            return None, problem
         try:
             image = read_file(efd, CUBIN, CUBIN, MAX_CUBIN_BYTES)
         except FileNotFoundError:

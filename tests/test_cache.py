@@ -438,6 +438,26 @@ def test_a_manifest_field_of_the_wrong_type_is_a_bad_entry(tmp_path, field, valu
     assert entry is None and found == f"manifest.json {field} is {problem}", found
 
 
+@pytest.mark.parametrize("field, raw, problem", [
+    ("compile_seconds", "1" + "0" * 400, "compile_seconds is not a duration"),   # float() overflows
+    ("compile_seconds", "NaN", "compile_seconds is not a duration"),
+    ("compile_seconds", "-3", "compile_seconds is not a duration"),
+    ("label", json.dumps("x\nffffffffffffffff  totally-legit-kernel\u001b[31m"), "label holds control characters"),
+    ("created", json.dumps("2026\u009b"), "created holds control characters")])
+def test_a_manifest_field_cache_list_cannot_print_is_a_bad_entry(tmp_path, field, raw, problem):
+    """A layer's manifest with a number cache list cannot format, or a string that would forge its rows or send
+    terminal escapes, is a bad entry (reported as such), not a traceback or a forged row."""
+    root = tmp_path / "cache"
+    d = entry_dir(root, "ab" * 32)
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    body = json.dumps({"key": "ab" * 32, "format": CACHE_FORMAT_VERSION,
+                       "cubin_sha256": hashlib.sha256(b"\x7fELF").hexdigest()})
+    (d / "manifest.json").write_text(body[:-1] + f', "{field}": {raw}}}')
+    entry, found = Cache(root, layers=()).read_entry(root, "ab" * 32)
+    assert entry is None and found.startswith(f"manifest.json {problem}"), found
+
+
 def test_a_manifest_nested_too_deeply_is_a_bad_entry_not_a_recursion_error(tmp_path):
     root = tmp_path / "cache"
     d = entry_dir(root, "ab" * 32)

@@ -131,3 +131,23 @@ def test_run_refuses_an_out_that_requires_grad_and_a_cascade_checks_return_lse()
     c._plan = plan   # planned: run() checks its own arguments first
     with pytest.raises(TypeError, match=r"return_lse must be True or False"):
         c.run(inputs["q"], inputs["paged_kv_cache"], return_lse="no")
+
+
+def test_merge_state_in_place_tells_interleaved_views_of_one_table_apart():
+    """States stored side by side in one [rows, states, heads, D] table: views one state apart share no element
+    (accepted, though their byte spans overlap); a view shifted within the table so that elements coincide is
+    refused."""
+    from attnjit.ops.merge import _may_share
+
+    table = torch.zeros(7, 3, 40, 64, dtype=torch.bfloat16)
+    a, b = table[:, 0, :32], table[:, 2, 8:]
+    assert not _may_share(a, b) and not _may_share(b, a)
+    assert _may_share(table[:, 0, :32], table[:, 0, 1:33])        # one head apart: rows share elements
+    assert _may_share(table[:, 0, :32], table[:, 0, :32])
+    flat = torch.zeros(4096, dtype=torch.float16)
+    assert not _may_share(flat[:1024].view(4, 4, 64), flat[1024:2048].view(4, 4, 64))
+    s = torch.zeros(7, 32)
+    with pytest.raises(NoGPUError):
+        attnjit.merge_state_in_place(a, s, b, torch.zeros(7, 32))
+    with pytest.raises(ValueError, match=r"^merge_state_in_place: v_other shares memory with v "):
+        attnjit.merge_state_in_place(table[:, 0, :32], s, table[:, 0, 1:33], torch.zeros(7, 32))

@@ -116,10 +116,36 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
 
 
+def _may_share(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors whose byte spans overlap may share an element. Exact for two views of one shape, dtype and
+    strides whose strides nest (each larger than the reach of the smaller ones: the views of a dense table, such as
+    the states of [rows, states, heads, D] taken one state apart): then b's start lies at a + sum k_i stride_i with
+    |k_i| < shape_i exactly when some element is shared, and each k_i has at most two candidates. Otherwise True."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
+        return True
+    delta, rem = divmod(b.data_ptr() - a.data_ptr(), a.element_size())
+    if rem:
+        return True
+    dims = sorted(((st, n) for st, n in zip(a.stride(), a.shape) if n > 1), reverse=True)
+    reach = 0
+    for st, n in reversed(dims):   # each stride beyond what the smaller ones reach
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+
+    def fits(d: int, i: int) -> bool:
+        if i == len(dims):
+            return d == 0
+        st, n = dims[i]
+        return any(abs(k) < n and fits(d - k * st, i + 1) for k in {d // st, -(-d // st)})
+
+    return fits(delta, 0)
+
+
 def _check_in_place_apart(v, s, v_other, s_other, mask) -> None:
     """merge_state_in_place writes v and s while it reads v_other, s_other and mask, each element by the thread that
-    reads the same row: v and s share no byte; v_other (s_other) is v (s) itself or shares no byte with v and s; the
-    mask shares none. Anything else (v_other one row off v, s over v's bytes, a mask inside s) is a race whose result
+    reads the same row: v and s share no byte; v_other (s_other) is v (s) itself or shares no element with v and s
+    (interleaved views of one table are told apart: _may_share); the mask shares none. Anything else (v_other one row off v, s over v's bytes, a mask inside s) is a race whose result
     depends on timing."""
     written = (("v", byte_span(v)), ("s", byte_span(s)))
     (_, (vlo, vhi)), (_, (slo, shi)) = written
@@ -130,8 +156,8 @@ def _check_in_place_apart(v, s, v_other, s_other, mask) -> None:
         if t is None or (own is not None and _same_view(t, own)):
             continue
         lo, hi = byte_span(t)
-        for wname, (wlo, whi) in written:
-            if lo < whi and wlo < hi:
+        for (wname, (wlo, whi)), w in zip(written, (v, s)):
+            if lo < whi and wlo < hi and _may_share(t, w):
                 raise ValueError(f"merge_state_in_place: {name} shares memory with {wname} (bytes {lo:#x}..{hi:#x} "
                                  f"and {wlo:#x}..{whi:#x}) without being it; the kernel writes {wname} while it reads "
                                  f"{name}: pass {name} in memory of its own (or {wname} itself)")

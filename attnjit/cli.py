@@ -147,6 +147,16 @@ def _pack_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _max_specs(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of specs, got {text!r}")
+    return n
+
+
 def _jobs(text: str) -> int:
     try:
         n = int(text)
@@ -494,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="target arch(s) for specs that name none, e.g. sm_90a or sm_80,sm_90a (default: "
                             "ATTNJIT_ARCH_OVERRIDE, else the local GPUs' archs, else ATTNJIT_ARCH, else "
                             f"{DEFAULT_ARCH})")
-        p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS,
+        p.add_argument("--max-specs", type=_max_specs, default=MAX_CATALOG_SPECS,
                        help=f"refuse catalogs that expand to more specs than this (default {MAX_CATALOG_SPECS:,})")
 
     p = sub.add_parser("warm", help="compile every spec of the catalogs into the cache")
@@ -514,7 +524,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "now, e.g. the kernels of an older attnjit or of specs no longer listed")
     p.add_argument("--arch", type=_arch_list, help="prune --keep: the target arch(s) of specs that name none, as for "
                                                     "warm")
-    p.add_argument("--max-specs", type=int, default=MAX_CATALOG_SPECS, help=argparse.SUPPRESS)
+    p.add_argument("--max-specs", type=_max_specs, default=MAX_CATALOG_SPECS, help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help="clear/prune: list what would be removed, remove nothing")
     p.add_argument("--cache-dir", type=_cache_dir, help="cache root")
     p.set_defaults(fn=cmd_cache)

@@ -132,6 +132,10 @@ def test_parallel_jobs_must_be_positive(tmp_path, monkeypatch):
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.strip() == (f"attnjit: error: argument --jobs/-j: expected a positive number of parallel "
                                        f"nvcc jobs, got {bad!r} (see attnjit warm --help)")
+        proc = run_cli("warm", "--spec", MERGE_FP16.as_flags(), "--max-specs", bad, "--cache-dir", tmp_path / "c")
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip().startswith(f"attnjit: error: argument --max-specs: expected a positive number of "
+                                              f"specs, got {bad!r}")
 
 
 # --- progress ---------------------------------------------------------------------------------------------------

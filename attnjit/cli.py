@@ -66,18 +66,19 @@ def _with_arch(text: str, arch: str) -> str:
             obj["arch"] = arch
         return json.dumps(obj)
     keys = [part.split("=", 1)[0].strip() for part in text.split(",") if part.strip()]
-    twice = sorted({k for k in keys if keys.count(k) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} given more than once")
+    _refuse_repeats(keys)
     return text if "arch" in keys else f"{text},arch={arch}"
 
 
 def _unique_pairs(pairs: list) -> dict:
-    keys = [k for k, _ in pairs]
+    _refuse_repeats([k for k, _ in pairs])
+    return dict(pairs)
+
+
+def _refuse_repeats(keys: list[str]) -> None:
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
         raise ValueError(f"{', '.join(twice)} given more than once")
-    return dict(pairs)
 
 
 def _specs(args) -> list[AttentionSpec]:
@@ -147,24 +148,22 @@ def _pack_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _max_specs(text: str) -> int:
+def _positive(text: str, what: str) -> int:
     try:
         n = int(text)
     except ValueError:
         n = 0
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of specs, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a positive number of {what}, got {text!r}")
     return n
+
+
+def _max_specs(text: str) -> int:
+    return _positive(text, "specs")
 
 
 def _jobs(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive number of parallel nvcc jobs, got {text!r}")
-    return n
+    return _positive(text, "parallel nvcc jobs")
 
 
 def _cache_dir(text: str) -> str:

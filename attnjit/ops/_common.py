@@ -100,8 +100,22 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
     return lo, lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
 
 
-def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple[tuple[str, tuple[int, int]], ...]
-                        ) -> None:
+Span = tuple[str, tuple[int, int]]   # (name, byte_span)
+
+
+def first_shared(these: tuple[Span, ...], those: tuple[Span, ...]) -> tuple[Span, Span] | None:
+    """The first pair (one of ``these``, one of ``those``) whose byte spans overlap, or None. An empty span, (0, 0),
+    overlaps nothing."""
+    for a in these:
+        lo, hi = a[1]
+        for b in those:
+            olo, ohi = b[1]
+            if olo < hi and lo < ohi:
+                return a, b
+    return None
+
+
+def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple[Span, ...]) -> None:
     """run()'s out and lse (the tensors its kernel writes) share no byte with each other nor with the spans it reads
     ((name, byte_span) of q and the KV operand): an ``out`` that is a view into the KV cache would be written while
     other CTAs read the pages under it (results that depend on timing, and a corrupted cache); an ``out`` over q
@@ -110,22 +124,23 @@ def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple
     that interleave without sharing an element count as overlapping. (~1 us: run() calls it only for a caller's
     out or lse.)"""
     written = (("out", byte_span(out)),) if lse is None else (("out", byte_span(out)), ("lse", byte_span(lse)))
-    for i, (name, (lo, hi)) in enumerate(written):
-        for other, (olo, ohi) in written[i + 1:] + read:   # (an empty span, (0, 0), overlaps nothing)
-            if olo < hi and lo < ohi:
-                raise ValueError(f"run(): {name} shares memory with {other} (bytes {lo:#x}..{hi:#x} and "
-                                 f"{olo:#x}..{ohi:#x}); the kernel writes {name} while it reads {other}: pass a "
-                                 f"{name} of its own")
+    for i, mine in enumerate(written):
+        found = first_shared((mine,), written[i + 1:] + read)
+        if found:
+            (name, (lo, hi)), (other, (olo, ohi)) = found
+            raise ValueError(f"run(): {name} shares memory with {other} (bytes {lo:#x}..{hi:#x} and "
+                             f"{olo:#x}..{ohi:#x}); the kernel writes {name} while it reads {other}: pass a "
+                             f"{name} of its own")
 
 
-def check_apart_from(written: tuple[str, tuple[int, int]], read: tuple[tuple[str, tuple[int, int]], ...]) -> None:
+def check_apart_from(written: Span, read: tuple[Span, ...]) -> None:
     """run()'s inputs ((name, byte_span) of q and the KV operand) share no byte with the workspace its kernels write
     partial states into (``written``): a q or cache carved out of float_workspace_buffer would be overwritten."""
-    name, (lo, hi) = written
-    for other, (olo, ohi) in read:
-        if olo < hi and lo < ohi:
-            raise ValueError(f"run(): {other} shares memory with {name} (bytes {olo:#x}..{ohi:#x} and {lo:#x}..{hi:#x})"
-                             f"; the kernels write partial states into {name}: give {other} memory of its own")
+    found = first_shared(read, (written,))
+    if found:
+        (other, (olo, ohi)), (name, (lo, hi)) = found
+        raise ValueError(f"run(): {other} shares memory with {name} (bytes {olo:#x}..{ohi:#x} and {lo:#x}..{hi:#x})"
+                         f"; the kernels write partial states into {name}: give {other} memory of its own")
 
 
 def check_no_overlap(name: str, t: torch.Tensor) -> None:

@@ -69,12 +69,12 @@ class Staging:
 
     def copied(self, stream: int | None = None) -> None:
         """Called after the copies from this buffer were issued (on the current stream; ``stream``: its handle,
-        where the caller has it and the event is a RawEvent)."""
+        given only with a RawEvent)."""
         if self.event is not None:
-            if stream is not None and type(self.event) is RawEvent:
-                self.event.record(stream)
-            else:
+            if stream is None:
                 self.event.record()
+            else:
+                self.event.record(stream)
 
 
 def _cuda_event():

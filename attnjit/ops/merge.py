@@ -145,8 +145,8 @@ def _may_share(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _check_in_place_apart(v, s, v_other, s_other, mask) -> None:
     """merge_state_in_place writes v and s while it reads v_other, s_other and mask, each element by the thread that
     reads the same row: v and s share no byte; v_other (s_other) is v (s) itself or shares no element with v and s
-    (interleaved views of one table are told apart: _may_share); the mask shares none. Anything else (v_other one row off v, s over v's bytes, a mask inside s) is a race whose result
-    depends on timing."""
+    (interleaved views of one table are told apart: _may_share); the mask shares none. Anything else (v_other one
+    row off v, s over v's bytes, a mask inside s) is a race whose result depends on timing."""
     written = (("v", byte_span(v)), ("s", byte_span(s)))
     (_, (vlo, vhi)), (_, (slo, shi)) = written
     if vlo < shi and slo < vhi:

@@ -8,7 +8,7 @@ import torch
 from .. import dispatch
 from ..generator import PARAMS
 from ._common import (SPEC_DTYPE, byte_span, check_head_dim, check_layout, check_metadata, check_page_size,
-                      check_tensor, check_vectors, require_cuda, spec_for, unpack_paged_cache)
+                      check_tensor, check_vectors, first_shared, require_cuda, spec_for, unpack_paged_cache)
 from ..specs import MAX_PAGE_SIZE
 from .planner import INT32_MAX, check_indptr
 
@@ -103,12 +103,12 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
             raise ValueError(f"{name} must be [nnz, H_kv={cache.num_kv_heads}, D={cache.head_dim}] with a contiguous "
                              f"last dim; got {list(t.shape)} strides {t.stride()}")
         check_vectors(name, t, (0, 1))
-    for name, t in (("append_key", append_key), ("append_value", append_value)):
-        lo, hi = byte_span(t)
-        for wname, (wlo, whi) in cache.spans:
-            if lo < whi and wlo < hi:
-                raise ValueError(f"{name} shares memory with {wname} (bytes {lo:#x}..{hi:#x} and {wlo:#x}..{whi:#x}); "
-                                 f"the kernel reads {name} while it writes the cache: pass {name} in memory of its own")
+    found = first_shared((("append_key", byte_span(append_key)), ("append_value", byte_span(append_value))),
+                         cache.spans)
+    if found:
+        (name, (lo, hi)), (wname, (wlo, whi)) = found
+        raise ValueError(f"{name} shares memory with {wname} (bytes {lo:#x}..{hi:#x} and {wlo:#x}..{whi:#x}); "
+                         f"the kernel reads {name} while it writes the cache: pass {name} in memory of its own")
     nnz = append_key.shape[0]
     if append_value.shape[0] != nnz:
         raise ValueError(f"append_value has {append_value.shape[0]} tokens, append_key {nnz}")

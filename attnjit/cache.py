@@ -112,7 +112,10 @@ class Cache:
             from .pack import installed_layers
 
             layers = [*knobs.CACHE_PATH.get(), *installed_layers()]
-        self.layers = tuple(dict.fromkeys(Path(p).expanduser() for p in layers))
+        # a layer that is the root itself (ATTNJIT_CACHE_PATH naming it) would list and look up every entry twice
+        root_real = os.path.realpath(self.root)
+        self.layers = tuple(p for p in dict.fromkeys(Path(p).expanduser() for p in layers)
+                            if os.path.realpath(p) != root_real)
         self.bad_entries: list[BadEntry] = []   # reported by lookups, for callers that want them
         self._checked: set[Path] = set()
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .cache import CUBIN, Cache, dir_bytes, toolchain_id
-from .errors import CacheReadOnlyError
+from .errors import CacheError, CacheReadOnlyError
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40}
@@ -58,6 +58,19 @@ class Item:
     manifest: dict | None   # None for a bad entry
 
 
+def _root_exists(cache: Cache) -> bool:
+    """Whether the root is there to clean; a root that is something other than a directory is an error, not an
+    empty cache (a clear that "removed 0" from a file would hide a wrong path)."""
+    root = cache.root
+    if root.is_symlink() and not root.exists():
+        raise CacheError(f"cache root {root} is a dangling symlink")
+    if not root.exists():
+        return False
+    if not root.is_dir():
+        raise CacheError(f"cache root {root} is not a directory")
+    return True
+
+
 def _items(cache: Cache) -> list[Item]:
     items = []
     for base, key, entry, _problem in cache.iter_entries([cache.root]):
@@ -82,7 +95,7 @@ def _remove(cache: Cache, doomed: list[Item], dry_run: bool) -> None:
 
 def clear(cache: Cache, *, dry_run: bool = False) -> list[Item]:
     """Every entry of the root, removed (unless ``dry_run``), and the failed-build logs with them."""
-    if not cache.root.is_dir():
+    if not _root_exists(cache):
         return []
     items = _items(cache)
     if not dry_run and not cache.root_writable():
@@ -102,7 +115,7 @@ def prune(cache: Cache, max_bytes: int | None = None, *, built_by: str | None = 
         raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
     if max_bytes is None and built_by is None and keep is None:
         raise ValueError("prune needs max_bytes, built_by or keep")
-    items = _items(cache) if cache.root.is_dir() else []
+    items = _items(cache) if _root_exists(cache) else []
     doomed, rest = [], []
     for i in items:
         by = built_by is not None and i.manifest is not None and toolchain_matches(i.manifest, built_by)

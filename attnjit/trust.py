@@ -52,7 +52,7 @@ def _kind(mode: int) -> str:
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
-    return "not a regular file"
+    return "of an unknown file type"
 
 
 def ownership_problem(st: os.stat_result, what: str) -> str | None:

@@ -15,7 +15,7 @@ import pytest
 
 from attnjit import jit
 from attnjit.cache import BadEntryWarning, Cache
-from attnjit.errors import CacheMissError, CacheReadOnlyError, LockTimeoutError, UnsafeCacheError
+from attnjit.errors import CacheError, CacheMissError, CacheReadOnlyError, LockTimeoutError, UnsafeCacheError
 from attnjit.specs import AttentionSpec
 from tests.cpu_support import (APPEND_FP16, FAKE_NVCC, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, TINY_SOURCE, cache_job,
                                entry_dir, flip_cubin_byte, holds_no_lock, parse_summary, snapshot)
@@ -242,6 +242,31 @@ def test_clear_removes_a_symlinked_shard_never_what_it_points_at(tmp_path):
     assert cache.verify() == [(root / "ab", f"untrusted: shard directory {root / 'ab'} is a symlink, not a directory")]
     assert cache.clear() == 1
     assert (outside / "keep").read_text() == "not the cache's" and not os.path.lexists(root / "ab")
+
+
+def test_clear_and_prune_refuse_a_root_that_is_not_a_directory(tmp_path):
+    """A file (or a dangling link) named as the root is a wrong path, not an empty cache: "removed 0" would hide it."""
+    afile, dangling = tmp_path / "a-file", tmp_path / "dangling"
+    afile.write_text("not a cache")
+    dangling.symlink_to(tmp_path / "nowhere")
+    for root, says in ((afile, "is not a directory"), (dangling, "is a dangling symlink")):
+        cache = Cache(root, layers=())
+        with pytest.raises(CacheError, match=says):
+            cache.clear()
+        with pytest.raises(CacheError, match=says):
+            cache.prune(0)
+    assert afile.read_text() == "not a cache"
+
+
+def test_a_layer_that_is_the_root_is_dropped(tmp_path, monkeypatch):
+    """ATTNJIT_CACHE_PATH naming the root (directly or through a link) must not list each entry twice."""
+    root = tmp_path / "root"
+    root.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(root)
+    other = tmp_path / "other"
+    monkeypatch.setenv("ATTNJIT_CACHE_PATH", os.pathsep.join([str(root), str(tmp_path / "link"), str(other)]))
+    monkeypatch.setenv("ATTNJIT_PACKAGES", "0")
+    assert Cache(root).layers == (other,)
 
 
 # --- strict-mode messages ---------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from filelock import FileLock, Timeout
 from . import knobs
 from .build import (CUBIN, SOURCE, STARTED, BuildEvent, Outcome, Target, first_error_line,  # noqa: F401 (SOURCE)
                     quiet_signals, restore_signals, run_ninja)
-from .errors import BuildSetupError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
+from .errors import BuildSetupError, CacheError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
 from .cache_types import (CACHE_FORMAT_VERSION, BadEntry, BadEntryWarning, BuildInterrupted,  # noqa: F401
                           BuildResult, Entry, Job, compute_key, dir_bytes, toolchain_id)
 from .toolchain import nvcc
@@ -303,6 +303,21 @@ class Cache:
     def _lock(self, key: str) -> FileLock:
         return FileLock(str(self.root / ".locks" / f"{key}.lock"))
 
+    @staticmethod
+    def _acquire(lock: FileLock, timeout: float = -1) -> None:
+        """``lock.acquire``, with a lock file that cannot be opened named (a symlink planted in the root's lock
+        folder, which filelock refuses to follow, or a full disk) instead of a bare OSError. Timeout passes."""
+        try:
+            lock.acquire(timeout=timeout)
+        except Timeout:
+            raise
+        except OSError as exc:
+            path = Path(lock.lock_file)
+            if exc.errno == errno.ELOOP:
+                raise UnsafeCacheError(f"lock file {path} is a symlink, which attnjit never follows; remove it "
+                                       "(only a process of this user could have put it there)") from None
+            raise CacheError(f"cannot open the lock file {path}: {exc.strerror or exc}") from None
+
     def _clean_stale_builds(self) -> None:
         """Remove temp build directories whose builder is gone (its lock is free)."""
         tmp = self.root / ".tmp"
@@ -311,7 +326,7 @@ class Cache:
                 continue
             lock = FileLock(str(d) + ".lock")
             try:
-                lock.acquire(timeout=0)
+                self._acquire(lock, 0)
             except Timeout:
                 continue
             try:
@@ -374,7 +389,7 @@ class Cache:
                     say(BuildEvent("waiting", job.label, job.key))
                     lock = self._lock(job.key)
                     try:
-                        lock.acquire(timeout=timeout)
+                        self._acquire(lock, timeout)
                     except Timeout:
                         raise LockTimeoutError(Path(lock.lock_file), timeout) from None
                     try:
@@ -393,7 +408,7 @@ class Cache:
                     job = pending.pop(0)
                     lock = self._lock(job.key)
                     try:
-                        lock.acquire(timeout=0)
+                        self._acquire(lock, 0)
                     except Timeout:
                         waiting.append(job)
                         continue
@@ -416,7 +431,7 @@ class Cache:
         # build-* dir whose lock is free, so a dir created before its lock could vanish under us.
         bdir = self.root / ".tmp" / f"build-{uuid.uuid4().hex[:16]}"
         blk = FileLock(str(bdir) + ".lock")
-        blk.acquire()
+        self._acquire(blk)
         try:
             try:
                 bdir.mkdir(mode=0o700)

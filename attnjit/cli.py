@@ -403,6 +403,9 @@ def cmd_render(args) -> int:
 
 def cmd_catalog(args) -> int:
     if args.action == "list":
+        if args.log is not None or args.output is not None:
+            _err("catalog list takes no file (it lists the catalogs shipped with attnjit)")
+            return 2
         for name in shipped_catalogs():
             path = CATALOGS / f"{name}.toml"
             first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")

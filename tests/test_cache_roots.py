@@ -127,6 +127,18 @@ def test_a_symlinked_work_directory_in_the_root_is_refused_and_its_target_untouc
     assert [p.name for p in outside.iterdir()] == ["build-0"]
 
 
+def test_a_symlinked_lock_file_is_named_not_a_bare_oserror(tmp_path):
+    root, target = tmp_path / "root", tmp_path / "elsewhere"
+    root.mkdir(mode=0o700)
+    (root / ".locks").mkdir(mode=0o700)
+    target.write_text("untouched")
+    job = cache_job(TINY_SOURCE, tool=FAKE_NVCC)
+    (root / ".locks" / f"{job.key}.lock").symlink_to(target)
+    with pytest.raises(UnsafeCacheError, match=re.escape(f"lock file {root / '.locks' / job.key}.lock is a symlink")):
+        Cache(root, layers=()).build([job])
+    assert target.read_text() == "untouched"
+
+
 @pytest.mark.parametrize("mode", [0o777, 0o775])
 def test_a_layer_other_users_can_write_is_refused(tmp_path, mode):
     layer = tmp_path / "layer"

@@ -199,6 +199,8 @@ def test_shipped_catalogs_are_named_and_the_old_paths_still_work(tmp_path):
     assert proc.returncode == 0
     counts = {name: len(load_catalog(shipped / f"{name}.toml")) for name in ("default", "llama-example")}
     assert [ln.split()[:2] for ln in proc.stdout.splitlines()] == [[n, str(c)] for n, c in counts.items()]
+    proc = run_cli("catalog", "list", "extra")   # an argument list ignores would look like a filter that matched
+    assert proc.returncode == 2 and "catalog list takes no file" in proc.stderr and proc.stdout == ""
     by_name, by_path = run_cli("render", "default"), run_cli("render", REPO / "specs" / "default.toml")
     assert by_name.returncode == 0 and by_name.stdout == by_path.stdout
     assert by_name.stdout.count("// ===== ") == counts["default"]

@@ -33,6 +33,34 @@ def _wait_for(predicate, what: str, proc: subprocess.Popen, timeout: float = 120
         time.sleep(0.05)
 
 
+@pytest.mark.skipif(not build._death_signal_prefix(), reason="no setpriv --pdeathsig on this machine")
+def test_a_killed_warm_takes_ninja_and_its_compilers_with_it(tmp_path):
+    """SIGKILL gives warm no chance to stop ninja (its own session); ninja gets SIGTERM as its parent dies and stops
+    every compile, so nothing goes on burning CPU for a build nobody will publish."""
+    root, started = tmp_path / "cache", tmp_path / "started"
+    slow = write_script(tmp_path / "nvcc", f"""case " $* " in *" --version "*) echo "Cuda compilation tools, release 13.0, V13.0.88"; exit 0 ;; esac
+: > "{started}"; sleep 300
+""")
+    tag = f"warm-kill-{os.getpid()}-{time.monotonic_ns()}"
+    env = dict(os.environ, ATTNJIT_NVCC=str(slow), ATTNJIT_TEST_TAG=tag)
+    proc = subprocess.Popen([sys.executable, "-m", "attnjit", "warm", "--spec", MERGE_FP16.as_flags(),
+                             "--cache-dir", str(root)], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(started.exists, "the compile started", proc)
+        assert len(tagged_processes(tag)) > 2, "expected warm, ninja and the compile to be running"
+        proc.kill()
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 20
+        while tagged_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = tagged_processes(tag)
+    finally:
+        kill_tagged(tag)
+    assert survivors == [], f"processes outlived the killed warm: {survivors}"
+    assert Cache(root, layers=()).lookup(jit.job_for(MERGE_FP16).key) is None
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_keeps_finished_kernels_stops_every_compiler_and_the_next_warm_builds_the_rest(tmp_path, sig,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -282,6 +283,7 @@ def test_plan_rejects_bad_dtype_pairs(q, kv, exc, match):
 @pytest.mark.parametrize("value,exc,match", [
     (float("nan"), ValueError, "positive finite"), (float("inf"), ValueError, "positive finite"),
     (0.0, ValueError, "positive finite"), (-1.0, ValueError, "positive finite"), (True, TypeError, "got bool"),
+    (np.bool_(True), TypeError, "got bool"),
     ("1", TypeError, "got str"), (torch.ones(H_KV, dtype=torch.float16), TypeError, "float32 tensor"),
     (torch.ones(H_KV + 1), ValueError, r"shape \[8\]"), (torch.ones(1, H_KV), ValueError, r"shape \[8\]"),
     (torch.ones(2 * H_KV)[::2], ValueError, "contiguous"),
@@ -312,6 +314,9 @@ def test_good_scales_fill_the_parameter_struct():
     with pytest.raises(attnjit.NoGPUError):
         w.run(q, cache, k_scale=0.5, v_scale=0.25)
     assert vals[idx["sm_scale_log2"]] == pytest.approx(base * 0.5) and vals[idx["scale_v_value"]] == 0.25
+    with pytest.raises(attnjit.NoGPUError):
+        w.run(q, cache, k_scale=np.float32(0.25), v_scale=np.int64(2))   # numpy scalars, as plan() takes them
+    assert vals[idx["sm_scale_log2"]] == pytest.approx(base * 0.25) and vals[idx["scale_v_value"]] == 2.0
     ks, vs = torch.full((H_KV,), 0.5), torch.full((H_KV,), 2.0)
     with pytest.raises(attnjit.NoGPUError):
         w.run(q, cache, k_scale=ks, v_scale=vs)

@@ -65,6 +65,12 @@ def test_use_tensor_cores_is_an_argument_an_attribute_and_a_recorded_decision(fl
     assert w._plan.spec.op == "decode"  # the same decode kernels either way (they are mma.sync kernels)
     with pytest.raises(TypeError, match=r"use_tensor_cores must be True or False, got str"):
         BatchDecodeWithPagedKVCacheWrapper(ws(), use_tensor_cores="yes")
+    q = torch.zeros(3, H_Q, D, dtype=torch.float16)
+    k = torch.zeros(5, H_KV, D, dtype=torch.float16)
+    with pytest.raises(TypeError, match=r"use_tensor_cores must be True or False, got str"):
+        attnjit.single_decode_with_kv_cache(q[0], k, k, use_tensor_cores="yes")
+    with pytest.raises(TypeError, match=r"enable_pdl must be True or False, got str"):
+        w.run(q, torch.zeros(8, 2, PS, H_KV, D, dtype=torch.float16), enable_pdl="x")
 
 
 # --- ROPE_LLAMA ---------------------------------------------------------------------------------------------------

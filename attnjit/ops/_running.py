@@ -11,6 +11,7 @@ from typing import Any
 
 import math
 
+import numpy as np
 import torch
 
 from ..generator import PARAMS
@@ -143,9 +144,9 @@ def _scale(name: str, value: Any, plan: Plan, device: torch.device) -> float | t
             raise ValueError(f"{name}: per-KV-head scale tensors need an fp8 KV plan (kv_data_type e4m3 or e5m2); "
                              f"this plan's cache is {plan.kv_dtype}. Pass a float (applied as FlashInfer does)")
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a float or a float32 [H_kv] tensor, got {type(value).__name__}")
-    value = as_real(name, value)
+    value = as_real(name, value)   # a numpy scalar as plan() takes one
     if not math.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a positive finite number (the cache holds value / {name}), got {value}")
     if not _F32_TINY <= value <= _F32_MAX:   # the kernels hold it (or its product with the logit scale) in float32

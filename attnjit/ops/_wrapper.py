@@ -504,6 +504,8 @@ class _AttentionWrapper(FlashInferAliases):
 def split_scale(scale):
     """run()'s k_scale / v_scale (None, a float or a tensor) as the torch.ops' (float?, Tensor?) pair (a bad value
     is the eager run()'s named error when the op runs)."""
+    if isinstance(scale, (np.integer, np.floating)):   # a numpy scalar: the schema's float (a bool is refused later)
+        scale = float(scale)
     return (None, scale) if isinstance(scale, torch.Tensor) else (scale, None)
 
 
@@ -523,6 +525,8 @@ class _PagedMixin:
         kernels launch without programmatic dependent launch (benchmarks/RESULTS.md, eighteenth session)."""
         if args:
             raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
+        if enable_pdl is not None:
+            P.as_flag("enable_pdl", enable_pdl)
         if q_scale is not None:
             unsupported(q_scale=q_scale)
         variant_params = with_sinks(self._plan, variant_params, sinks)

@@ -246,6 +246,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         enable_pdl as there (accepted, no effect)."""
         if args:
             raise TypeError(f"run() takes q, k and v positionally; got {len(args)} more positional arguments")
+        if enable_pdl is not None:
+            P.as_flag("enable_pdl", enable_pdl)
         variant_params = with_sinks(self._plan, variant_params, sinks)
         if torch.compiler.is_compiling():
             return self._run_compiled(q, k, v, out, lse, return_lse, variant_params, k_scale, v_scale)

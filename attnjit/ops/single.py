@@ -15,7 +15,7 @@ import torch
 from ..variants import Variant
 from ._common import check_layout, check_tensor, unsupported
 from ._running import vector_ready
-from .planner import MAX_KV_LEN, MAX_QO_ROWS
+from .planner import MAX_KV_LEN, MAX_QO_ROWS, as_flag
 from .attention import BatchPrefillWithRaggedKVCacheWrapper
 
 _single_workspaces: dict[torch.device, torch.Tensor] = {}
@@ -154,6 +154,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return (o, lse) if return_lse else o
     check_tensor("q", q, dim=2)
     unsupported(q_scale=q_scale)
+    as_flag("use_tensor_cores", use_tensor_cores)   # accepted, as FlashInfer's; every attnjit path uses them
     result = single_prefill_eager(q.unsqueeze(0), k, v, causal=False, kv_layout=kv_layout,
                                   pos_encoding_mode=pos_encoding_mode, sm_scale=sm_scale, window_left=window_left,
                                   logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,

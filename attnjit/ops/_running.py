@@ -155,6 +155,14 @@ def _scale(name: str, value: Any, plan: Plan, device: torch.device) -> float | t
     return value
 
 
+def split_scale(scale):
+    """run()'s k_scale / v_scale (None, a float or a tensor) as the torch.ops' (float?, Tensor?) pair (a bad value
+    is the eager run()'s named error when the op runs)."""
+    if isinstance(scale, (np.integer, np.floating)):   # a numpy scalar: the schema's float (a bool is refused later)
+        scale = float(scale)
+    return (None, scale) if isinstance(scale, torch.Tensor) else (scale, None)
+
+
 def kv_scales(plan: Plan, device: torch.device, k_scale: Any, v_scale: Any) -> float | None:
     """Put run()'s dequantization scales in the parameter struct (FlashInfer's semantics: the keys are k_scale * k and
     the values v_scale * v): a float k_scale multiplies the logit scale; per-KV-head tensors and an fp8 plan's float

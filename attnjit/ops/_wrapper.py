@@ -20,7 +20,7 @@ from . import _handles, planner as P
 from .planner import _LOG2E
 from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_apart_from, check_layout, check_metadata,
                       check_tensor, check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
-from ._running import Plan, check_q_out, copies_for, kv_scales, launch, variant_args
+from ._running import Plan, check_q_out, copies_for, kv_scales, launch, split_scale, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
 from .compat import FlashInferAliases, plan_settings
@@ -500,14 +500,6 @@ class _AttentionWrapper(FlashInferAliases):
         if not plan.on_gpu:
             raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
                              "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
-
-def split_scale(scale):
-    """run()'s k_scale / v_scale (None, a float or a tensor) as the torch.ops' (float?, Tensor?) pair (a bad value
-    is the eager run()'s named error when the op runs)."""
-    if isinstance(scale, (np.integer, np.floating)):   # a numpy scalar: the schema's float (a bool is refused later)
-        scale = float(scale)
-    return (None, scale) if isinstance(scale, torch.Tensor) else (scale, None)
-
 
 class _PagedMixin:
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,

@@ -23,7 +23,8 @@ from .build import restore_signals
 from .cache import Cache, dir_bytes
 from .pack import FORMATS
 from .errors import AttnjitError, CatalogError
-from .specs import DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog, read_bounded
+from .specs import (DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog,
+                    specs_from_log, write_catalog)
 
 
 def _err(msg: str) -> None:
@@ -414,30 +415,23 @@ def cmd_catalog(args) -> int:
     if args.log is None:
         _err("catalog from-log needs the JSONL file ATTNJIT_LOG wrote")
         return 2
-    specs: list[AttentionSpec] = []
     path = Path(args.log)
     try:
-        lines = read_bounded(path).decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        _err(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})")
-        return 1
+        specs = specs_from_log(path)
     except OSError as exc:
         _err(f"cannot read {path}: {exc.strerror or exc}")
         return 1
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            spec = AttentionSpec.from_dict(json.loads(json.loads(line)["spec"]))
-        except (ValueError, KeyError, TypeError) as exc:
-            _err(f"{path}:{n}: not a dispatch record: {exc}")
-            return 1
-        if spec not in specs:
-            specs.append(spec)
+    except ValueError as exc:
+        _err(str(exc))
+        return 1
     text = dump_catalog(specs, header=f"Specs dispatched in {path.name} ({len(specs)}), written by attnjit catalog "
                                       "from-log.\nPre-warm with: attnjit warm <this file>")
     if args.output and args.output != "-":
-        Path(args.output).write_text(text, encoding="utf-8")
+        try:
+            write_catalog(Path(args.output), text)
+        except (OSError, ValueError) as exc:
+            _err(f"cannot write {args.output}: {getattr(exc, 'strerror', None) or exc}")
+            return 1
         print(f"wrote {len(specs)} specs to {args.output}")
     else:
         sys.stdout.write(text)

@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
+import stat
 import tomllib
 from dataclasses import InitVar, dataclass, fields
 from pathlib import Path
@@ -408,3 +410,47 @@ def dump_catalog(specs: Iterable[AttentionSpec], header: str = "") -> str:
         for k, v in spec.to_dict().items():
             lines.append(f"{k} = {json.dumps(v)}")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def specs_from_log(path: Path) -> list[AttentionSpec]:
+    """The distinct specs of a dispatch log (ATTNJIT_LOG's JSONL), in first-dispatch order. A line that is no
+    dispatch record is a ValueError naming the file and line; an unreadable file an OSError, as ``read_bounded``."""
+    try:
+        lines = read_bounded(path).decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    specs: list[AttentionSpec] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            spec = AttentionSpec.from_dict(json.loads(json.loads(line)["spec"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}:{n}: not a dispatch record: {exc}") from None
+        if spec not in specs:
+            specs.append(spec)
+    return specs
+
+def write_catalog(path: Path, text: str) -> None:
+    """A catalog's text into ``path``, whole or not at all: written beside it under a temporary name and renamed into
+    place, so a killed or failed write leaves the old catalog (or none). ``path`` may be a regular file (replaced) or
+    absent; anything else (a FIFO, which would block, a symlink, a directory) is a ValueError naming it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} exists and is not a regular file; a catalog is written only as one")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)   # (O_EXCL: never another's file)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise

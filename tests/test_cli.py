@@ -333,6 +333,22 @@ def test_catalog_from_a_bad_log_names_the_line(tmp_path):
     assert error_lines(proc.stderr) == [f"attnjit: error: {binary}: not UTF-8 text (invalid start byte at byte 0)"]
 
 
+def test_catalog_from_log_writes_its_output_whole_and_never_into_a_fifo(tmp_path):
+    out = tmp_path / "from-log.toml"
+    out.write_text("# the old catalog\n")
+    assert run_cli("catalog", "from-log", SAMPLE_LOG, "-o", out).returncode == 0
+    assert load_catalog(out) == SAMPLE_SPECS and [p.name for p in tmp_path.iterdir()] == ["from-log.toml"]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    proc = run_cli("catalog", "from-log", SAMPLE_LOG, "-o", fifo)   # would block forever on open before
+    assert proc.returncode == 1
+    assert error_lines(proc.stderr) == [f"attnjit: error: cannot write {fifo}: {fifo} exists and is not a regular "
+                                        "file; a catalog is written only as one"]
+    proc = run_cli("catalog", "from-log", SAMPLE_LOG, "-o", tmp_path / "no-such-dir" / "c.toml")
+    assert proc.returncode == 1 and error_lines(proc.stderr) == [
+        f"attnjit: error: cannot write {tmp_path / 'no-such-dir' / 'c.toml'}: No such file or directory"]
+
+
 def test_ncu_source_summary_splits_samples_by_region_and_execution_count(tmp_path):
     """benchmarks/ncu_source.py (the profile stage's summary of `ncu --page source --csv`): on a small synthetic
     listing, the loop is found from its backward branch, samples are split into prologue / loop / epilogue and by

@@ -401,34 +401,53 @@ def _dispatch_families(spec: AttentionSpec) -> list[str]:
     return families.dispatchable(spec)
 
 
-def dump_catalog(specs: Iterable[AttentionSpec], header: str = "") -> str:
-    """Write specs as a catalog that ``load_catalog`` reads back to the same specs (one table per spec)."""
+def dump_catalog(specs: Iterable[AttentionSpec | dict[str, Any]], header: str = "") -> str:
+    """Write specs (or their ``to_dict`` forms) as a catalog that ``load_catalog`` reads back to the same specs (one
+    table per spec)."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     for spec in specs:
         lines.append("")
         lines.append("[[spec]]")
-        for k, v in spec.to_dict().items():
+        for k, v in (spec if isinstance(spec, dict) else spec.to_dict()).items():
             lines.append(f"{k} = {json.dumps(v)}")
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-def specs_from_log(path: Path) -> list[AttentionSpec]:
-    """The distinct specs of a dispatch log (ATTNJIT_LOG's JSONL), in first-dispatch order. A line that is no
-    dispatch record is a ValueError naming the file and line; an unreadable file an OSError, as ``read_bounded``."""
+# a variant as catalogs name it: module:attribute, several joined by "+"
+_VARIANT_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(\+[A-Za-z_][\w.]*:[A-Za-z_]\w*)*")
+
+
+def specs_from_log(path: Path) -> list[dict[str, Any]]:
+    """The distinct specs of a dispatch log (ATTNJIT_LOG's JSONL), in first-dispatch order, as ``to_dict`` forms for
+    ``dump_catalog``. Every field is checked as a spec's, but a variant stays its ``module:attribute`` text, checked
+    by form only: turning a log into a catalog imports nothing (a log is data; ``warm`` of the catalog imports the
+    variant's module, as it must to render it). A line that is no dispatch record is a ValueError naming the file and
+    line; an unreadable file an OSError, as ``read_bounded``."""
     try:
         lines = read_bounded(path).decode("utf-8").splitlines()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
-    specs: list[AttentionSpec] = []
+    specs: list[dict[str, Any]] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            spec = AttentionSpec.from_dict(json.loads(json.loads(line)["spec"]))
+            data = json.loads(json.loads(line)["spec"])
+            if not isinstance(data, dict):
+                raise TypeError(f"the spec is a {type(data).__name__}, not an object")
+            variant = data.pop("variant", None)
+            if variant is not None and not (isinstance(variant, str) and _VARIANT_REF.fullmatch(variant)):
+                raise SpecError("variant", variant, "a logged variant is named as module:attribute (joined by +)")
+            d = AttentionSpec.from_dict(data).to_dict()
+            if variant is not None and "family" not in data:
+                d.pop("family", None)   # the default family may depend on the variant: warm derives it
+            if variant is not None:   # in its declaration place, as to_dict puts it
+                names = [f.name for f in fields(AttentionSpec)]
+                d = dict(sorted({**d, "variant": variant}.items(), key=lambda kv: names.index(kv[0])))
         except (ValueError, KeyError, TypeError) as exc:
             raise ValueError(f"{path}:{n}: not a dispatch record: {exc}") from None
-        if spec not in specs:
-            specs.append(spec)
+        if d not in specs:
+            specs.append(d)
     return specs
 
 def write_catalog(path: Path, text: str) -> None:

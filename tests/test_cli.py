@@ -317,6 +317,31 @@ def test_warm_of_a_catalog_from_a_log_builds_its_specs(tmp_path):
     assert parse_summary(proc.stdout) == (2, 0, 2, 0)
 
 
+def test_catalog_from_log_imports_no_variant_module(tmp_path):
+    """A dispatch log is data: a variant it names stays module:attribute text in the catalog, and no module runs.
+    (warm of that catalog imports it, as it must to render the kernel.)"""
+    marker = tmp_path / "imported"
+    (tmp_path / "planted.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    first = json.loads(SAMPLE_LOG.read_text().splitlines()[0])
+    spec = json.loads(first["spec"])
+    logged = [{**first, "spec": json.dumps({**spec, "variant": ref})} for ref in ("planted:VARIANT", "planted:VARIANT",
+                                                                                  "planted:A+attnjit.variants:SOFTCAP")]
+    log = tmp_path / "run.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in logged))
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{REPO}")
+    proc = run_cli("catalog", "from-log", log, "-o", tmp_path / "c.toml", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert not marker.exists(), "catalog from-log imported the logged variant's module"
+    text = (tmp_path / "c.toml").read_text()
+    assert text.count("[[spec]]") == 2
+    assert 'variant = "planted:VARIANT"' in text and 'variant = "planted:A+attnjit.variants:SOFTCAP"' in text
+    assert text.index("variant =") < text.index("family =")   # declaration order, as to_dict writes it
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({**first, "spec": json.dumps({**spec, "variant": "planted; import os"})}) + "\n")
+    proc = run_cli("catalog", "from-log", bad, env=env)
+    assert proc.returncode == 1 and f"{bad}:1: not a dispatch record" in proc.stderr and "module:attribute" in proc.stderr
+
+
 def test_catalog_from_a_bad_log_names_the_line(tmp_path):
     log = tmp_path / "run.jsonl"
     log.write_text(SAMPLE_LOG.read_text().splitlines()[0] + "\n\n" + '{"op": "decode"}\n')

@@ -12,6 +12,7 @@ import math
 import os
 import re
 import stat
+import tempfile
 import tomllib
 from dataclasses import InitVar, dataclass, fields
 from pathlib import Path
@@ -438,17 +439,21 @@ def specs_from_log(path: Path) -> list[dict[str, Any]]:
             variant = data.pop("variant", None)
             if variant is not None and not (isinstance(variant, str) and _VARIANT_REF.fullmatch(variant)):
                 raise SpecError("variant", variant, "a logged variant is named as module:attribute (joined by +)")
+            if variant is not None and "variant" not in _FIELDS_BY_OP.get(data.get("op"), ()):
+                raise SpecError("variant", variant, f"op={data.get('op')!r} does not use variant")
             d = AttentionSpec.from_dict(data).to_dict()
             if variant is not None and "family" not in data:
                 d.pop("family", None)   # the default family may depend on the variant: warm derives it
             if variant is not None:   # in its declaration place, as to_dict puts it
                 names = [f.name for f in fields(AttentionSpec)]
                 d = dict(sorted({**d, "variant": variant}.items(), key=lambda kv: names.index(kv[0])))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{n}: not a dispatch record: {exc}") from None
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise ValueError(f"{path}:{n}: not a dispatch record: {why}") from None
         if d not in specs:
             specs.append(d)
     return specs
+
 
 def write_catalog(path: Path, text: str) -> None:
     """A catalog's text into ``path``, whole or not at all: written beside it under a temporary name and renamed into
@@ -461,9 +466,10 @@ def write_catalog(path: Path, text: str) -> None:
     else:
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} exists and is not a regular file; a catalog is written only as one")
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)   # (O_EXCL: never another's file)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")   # a fresh name: never another's file
+    tmp = Path(name)
     try:
+        os.fchmod(fd, 0o644)   # (mkstemp's 0600: a catalog is no secret)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)

@@ -340,6 +340,14 @@ def test_catalog_from_log_imports_no_variant_module(tmp_path):
     bad.write_text(json.dumps({**first, "spec": json.dumps({**spec, "variant": "planted; import os"})}) + "\n")
     proc = run_cli("catalog", "from-log", bad, env=env)
     assert proc.returncode == 1 and f"{bad}:1: not a dispatch record" in proc.stderr and "module:attribute" in proc.stderr
+    merge = {"op": "merge_state", "head_dim_vo": 128, "dtype_o": "fp16", "arch": "sm_90a",
+             "variant": "attnjit.variants:SOFTCAP"}   # an op that takes no variant, refused as load_catalog would
+    bad.write_text(json.dumps({**first, "spec": json.dumps(merge)}) + "\n" + "[" * 100000 + "\n")
+    proc = run_cli("catalog", "from-log", bad, env=env)
+    assert proc.returncode == 1 and "does not use variant" in proc.stderr and "Traceback" not in proc.stderr
+    bad.write_text("[" * 100000 + "\n")
+    proc = run_cli("catalog", "from-log", bad, env=env)
+    assert proc.returncode == 1 and "nested too deeply" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_catalog_from_a_bad_log_names_the_line(tmp_path):

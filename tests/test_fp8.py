@@ -404,3 +404,15 @@ def test_decode_mma_reads_q_fragments_in_place(kv):
     sass = ss._module_sass(spec)
     assert "HMMA.16816" in sass
     assert _mma_a_fed_by_moves(sass) == 0
+
+
+def test_split_scale_gives_torch_ops_a_float_and_refuses_bools():
+    """Under torch.compile the scales go to torch.ops as float?, which would take a bool as 1.0."""
+    from attnjit.ops._running import split_scale
+
+    assert split_scale(np.float32(2.0)) == (2.0, None) and type(split_scale(np.int64(3))[0]) is float
+    t = torch.ones(H_KV)
+    assert split_scale(t) == (None, t) and split_scale(None) == (None, None)
+    for bad in (True, np.bool_(False)):
+        with pytest.raises(TypeError, match="got bool"):
+            split_scale(bad)

@@ -158,7 +158,9 @@ def _scale(name: str, value: Any, plan: Plan, device: torch.device) -> float | t
 def split_scale(scale):
     """run()'s k_scale / v_scale (None, a float or a tensor) as the torch.ops' (float?, Tensor?) pair (a bad value
     is the eager run()'s named error when the op runs)."""
-    if isinstance(scale, (np.integer, np.floating)):   # a numpy scalar: the schema's float (a bool is refused later)
+    if isinstance(scale, (bool, np.bool_)):   # torch.ops would take it as 1.0 for the schema's float
+        raise TypeError(f"a k_scale / v_scale must be a float or a float32 [H_kv] tensor, got {type(scale).__name__}")
+    if isinstance(scale, (np.integer, np.floating)):   # a numpy scalar: the schema's float
         scale = float(scale)
     return (None, scale) if isinstance(scale, torch.Tensor) else (scale, None)
 

@@ -12,7 +12,6 @@ import math
 import os
 import re
 import stat
-import tempfile
 import tomllib
 from dataclasses import InitVar, dataclass, fields
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, Iterable
 
 from . import dtypes as _dt
 from .errors import CatalogError
+from .trust import replace_file
 from .variants import Variant, resolve as resolve_variant
 
 OPS = ("prefill", "decode", "merge_state", "append_kv")
@@ -415,7 +415,20 @@ def dump_catalog(specs: Iterable[AttentionSpec | dict[str, Any]], header: str = 
 
 
 # a variant as catalogs name it: module:attribute, several joined by "+"
+_FIELD_ORDER = [f.name for f in fields(AttentionSpec)]
 _VARIANT_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(\+[A-Za-z_][\w.]*:[A-Za-z_]\w*)*")
+
+
+def _with_logged_variant(d: dict[str, Any], variant: Any, *, family_given: bool) -> dict[str, Any]:
+    """A checked spec's ``to_dict`` with a logged variant put back as text, in its declaration place (as to_dict
+    puts it); checked by form and by the op's fields only (nothing is imported)."""
+    if not (isinstance(variant, str) and _VARIANT_REF.fullmatch(variant)):
+        raise SpecError("variant", variant, "a logged variant is named as module:attribute (joined by +)")
+    if "variant" not in _FIELDS_BY_OP[d["op"]]:
+        raise SpecError("variant", variant, f"op={d['op']!r} does not use variant")
+    if not family_given:
+        d.pop("family", None)   # the default family may depend on the variant: warm derives it
+    return {k: variant if k == "variant" else d[k] for k in _FIELD_ORDER if k in d or k == "variant"}
 
 
 def specs_from_log(path: Path) -> list[dict[str, Any]]:
@@ -437,16 +450,9 @@ def specs_from_log(path: Path) -> list[dict[str, Any]]:
             if not isinstance(data, dict):
                 raise TypeError(f"the spec is a {type(data).__name__}, not an object")
             variant = data.pop("variant", None)
-            if variant is not None and not (isinstance(variant, str) and _VARIANT_REF.fullmatch(variant)):
-                raise SpecError("variant", variant, "a logged variant is named as module:attribute (joined by +)")
-            if variant is not None and "variant" not in _FIELDS_BY_OP.get(data.get("op"), ()):
-                raise SpecError("variant", variant, f"op={data.get('op')!r} does not use variant")
             d = AttentionSpec.from_dict(data).to_dict()
-            if variant is not None and "family" not in data:
-                d.pop("family", None)   # the default family may depend on the variant: warm derives it
-            if variant is not None:   # in its declaration place, as to_dict puts it
-                names = [f.name for f in fields(AttentionSpec)]
-                d = dict(sorted({**d, "variant": variant}.items(), key=lambda kv: names.index(kv[0])))
+            if variant is not None:
+                d = _with_logged_variant(d, variant, family_given="family" in data)
         except (ValueError, KeyError, TypeError, RecursionError) as exc:
             why = "nested too deeply" if isinstance(exc, RecursionError) else exc
             raise ValueError(f"{path}:{n}: not a dispatch record: {why}") from None
@@ -466,16 +472,4 @@ def write_catalog(path: Path, text: str) -> None:
     else:
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path} exists and is not a regular file; a catalog is written only as one")
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")   # a fresh name: never another's file
-    tmp = Path(name)
-    try:
-        os.fchmod(fd, 0o644)   # (mkstemp's 0600: a catalog is no secret)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
+    replace_file(path, text, 0o644)

@@ -17,6 +17,7 @@ import errno
 import os
 import pwd
 import stat
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -153,3 +154,25 @@ def read_file(dir_fd: int, name: str, what: str, max_bytes: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def replace_file(path: Path, text: str, mode: int, *, fsync: bool = False) -> None:
+    """``text`` into ``path`` whole or not at all: written beside it under a fresh temporary name (``.NAME.*.part``,
+    created exclusively, so never through a planted link), given ``mode``, then renamed over ``path``. A failed or
+    killed write leaves the old file (or none) and, but for a kill, no temporary file."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    tmp = Path(name)
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise

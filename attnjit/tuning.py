@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -103,13 +101,7 @@ class TuningStore:
         self.cache._ensure_root()       # the root created private, a read-only one refused
         self.cache._work_dir(DIR)       # created private; a symlink there is refused, never written through
         dest = self.path(spec, record.gpu)
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(asdict(record), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        trust.replace_file(dest, json.dumps(asdict(record), indent=1, sort_keys=True), 0o600, fsync=True)
         _memo.clear()
         return dest
 

@@ -142,6 +142,10 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # code; the TMA branch is never taken): the A/B of the TMA store
             "no-tma-store": ("        by_tma = (it.p.tma_flags & kTmaO) && ",
                              "        by_tma = it.p.sm_scale_log2 < -1e30 && (it.p.tma_flags & kTmaO) && "),
+            # no-page-ids: a TMA tile's page ids computed, not read from the page table (request r's page i is
+            # kv_base + i: right for --layout paged-seq only, whose table is in order): the cost of the page-id loads
+            "no-page-ids": ("? __ldg(indices + page_of<Tr::PAGE_SIZE>(j)) : 0;",
+                            "? static_cast<int>(it.kv_base) + page_of<Tr::PAGE_SIZE>(j) : 0;"),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}

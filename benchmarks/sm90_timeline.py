@@ -146,17 +146,35 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # kv_base + i: right for --layout paged-seq only, whose table is in order): the cost of the page-id loads
             "no-page-ids": ("? __ldg(indices + page_of<Tr::PAGE_SIZE>(j)) : 0;",
                             "? static_cast<int>(it.kv_base) + page_of<Tr::PAGE_SIZE>(j) : 0;"),
+            # ragged-box16: a ragged kernel's K/V tiles in boxes of 16 rows (8 a column block), as page 16's are
+            # (the host's boxes too: _HOST_WHAT_IFS): with --layout ragged, whether the box count is paging's cost
+            "ragged-box16": (("? Tr::PAGE_SIZE : Tr::CTA_KV;", "? Tr::PAGE_SIZE : 16;"),
+                             ("c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0);",
+                              "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
 
 
 def _patched(src: str, what_if: str) -> str:
-    old, new = WHAT_IFS[what_if]
-    if src.count(old) != 1:
-        raise SystemExit(f"sm90_timeline.py: --what-if {what_if}: its statement is not once in the kernel; update "
-                         "WHAT_IFS")
-    return src.replace(old, new)
+    pairs = WHAT_IFS[what_if]
+    for old, new in pairs if isinstance(pairs[0], tuple) else (pairs,):
+        if src.count(old) != 1:
+            raise SystemExit(f"sm90_timeline.py: --what-if {what_if}: its statement is not once in the kernel; "
+                             "update WHAT_IFS")
+        src = src.replace(old, new)
+    return src
+
+
+def _box16(tma_boxes):
+    """sm90.tma_boxes with a ragged kernel's K/V boxes of 16 rows (what-if ragged-box16)."""
+    def boxes(spec, tile):
+        q, rows, o = tma_boxes(spec, tile)
+        return q, (16 if rows and spec.kv == "ragged" else rows), o
+    return boxes
+
+
+_HOST_WHAT_IFS = {"ragged-box16": ("tma_boxes", _box16)}   # the host's half of a what-if: sm90.<name> wrapped
 
 
 def _stamped(render, stamps: bool = True, what_if: str | None = None):
@@ -274,6 +292,10 @@ def main() -> int:
                          "or contiguous K and V tensors (the ragged wrapper)")
     args = ap.parse_args()
     jit.render = _stamped(jit.render, stamps=not args.no_stamps, what_if=args.what_if)
+    if args.what_if in _HOST_WHAT_IFS:
+        from attnjit.families import sm90
+        name, wrap = _HOST_WHAT_IFS[args.what_if]
+        setattr(sm90, name, wrap(getattr(sm90, name)))
     ragged = args.layout == "ragged"
     if ragged and args.kv != "bf16":
         raise SystemExit("sm90_timeline.py: --layout ragged is over a bf16 cache only")

@@ -135,6 +135,7 @@ class Copies:
     slots: tuple[int, ...]     # struct indices of tma_flags, tma_q, tma_k, tma_v, tma_o
     o_box: tuple[int, int] | None = None
     o_dtype: str = ""          # the output's 16-bit element type
+    v_gather: bool = False     # V gathered by cp.async where K comes by TMA (sm90.tma_v_gather): K's box only, "k"
     # the last runs' answers by their tensors' description (run() mostly repeats one): describing and looking up
     # three descriptors costs ~12 us of host a run, a hit ~1; the output's on its own
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -143,7 +144,7 @@ class Copies:
     def fill(self, vals: list, q, k_ptr: int, v_ptr: int, *, rows: int, page_size: int, heads: int, head_dim: int,
              stride0: int, stride1: int, out=None) -> str:
         """Set the run's flags and descriptors in ``vals``; returns what the TMA copies ("q+kv+o", "q+kv", "q",
-        "kv", ..., "")."""
+        "kv", "q+k+o" (V gathered), ..., "")."""
         on = knobs.TMA.get()
         key = (on, q.data_ptr(), tuple(q.shape), q.stride(), k_ptr, v_ptr, rows, page_size, heads, head_dim, stride0,
                stride1)
@@ -184,7 +185,7 @@ class Copies:
             if kd is None or vd is None:  # k and v share one flag: both by TMA or neither
                 kd = vd = None
         flags = (FLAG_Q if qd else 0) | (FLAG_KV if kd else 0)
-        used = "+".join(n for n, d in (("q", qd), ("kv", kd)) if d)
+        used = "+".join(n for n, d in (("q", qd), ("k" if self.v_gather else "kv", kd)) if d)
         return flags, qd or _NONE, kd or _NONE, vd or _NONE, used
 
 

@@ -161,12 +161,13 @@ def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkey
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("kw,copies,stores", [(dict(page_size=16), 16, 4), (dict(kv="ragged", page_size=None), 16, 4),
-                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 12, 0)])
+@pytest.mark.parametrize("kw,copies,stores", [(dict(page_size=16), 8, 4), (dict(kv="ragged", page_size=None), 16, 4),
+                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 4, 0)])
 def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, stores):
     """UTMALDG (cp.async.bulk.tensor loads) in the SASS: Q's two 64-column boxes and each K/V copy site's, per
     kernel of the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V
-    only); UTMASTG (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are
+    only; page 16 copies K alone by TMA and gathers V, sm90/tma.cuh tma_v_gather, so half a ragged kernel's K/V
+    sites); UTMASTG (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are
     not whole tokens."""
     spec = _spec(**kw)
     log, sass = compile_kernel(tmp_path, spec, sass=True)

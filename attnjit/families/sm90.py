@@ -242,6 +242,14 @@ def tma_boxes(spec: "AttentionSpec", tile: Tile) -> tuple[tuple[int, int] | None
     return q, kv, o
 
 
+def tma_v_gather(spec: "AttentionSpec", tile: Tile) -> bool:
+    """Whether ``tile``'s kernel gathers V by cp.async where it copies K by TMA (sm90/tma.cuh tma_v_gather): a paged
+    kernel whose K/V tile is several boxes (pages smaller than the tile)."""
+    rows = tma_boxes(spec, tile)[1]
+    return spec.kv == "paged" and 0 < rows < tile.cta_kv
+
+
 def context(spec: "AttentionSpec") -> dict:
     ts = tiles(spec)
-    return {"tiles": ts, "tma": {t.name: tma_boxes(spec, t) for t in ts}}
+    return {"tiles": ts, "tma": {t.name: tma_boxes(spec, t) for t in ts},
+            "tma_v_gather": {t.name: tma_v_gather(spec, t) for t in ts}}

@@ -52,7 +52,7 @@ class Plan:
     sm_scale_log2: float = 0.0      # sm_scale * log2(e): the parameter struct's, before a run()'s scalar k_scale
     merge_table: Any = None         # a deferred-merge plan: its work.merge_table on the device (merge_partials)
     tma: Any = None                 # tma.Copies: what the kernel may copy by TMA (sm90), or None
-    tma_used: str = ""              # what the last launch copied by TMA ("q+kv", "q", "kv", "")
+    tma_used: str = ""              # what the last launch copied by TMA ("q+kv", "q+k", "q", "kv", "")
     claims: int | None = None       # sm90: 1 CTAs claim work items, 0 grid stride (ATTNJIT_WORK_CLAIMS); else None
 
     def decision(self) -> dict:
@@ -214,7 +214,8 @@ def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
     i = layout.index
     return tma.Copies(q_box=q_box, kv_rows=kv_rows, dtype=spec.dtype_q, paged=spec.kv == "paged",
                       hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"], i["tma_o"]),
-                      o_box=o_box, o_dtype=spec.dtype_o)
+                      o_box=o_box, o_dtype=spec.dtype_o,
+                      v_gather=bool(getattr(families.get(spec.family), "tma_v_gather", lambda *_: False)(spec, tile)))
 
 
 

@@ -111,8 +111,8 @@ def test_matches_reference(case: Case, family: str, workspace):
 
 def _expected_tma(plan) -> str:
     """The TMA copies a contiguous run of ``plan`` takes: Q where its kernel has a Q box and the batch holds a box of
-    tokens, K/V where its kernel has a K/V box (a ragged cache of at least one tile's tokens), O where its kernel has
-    an output box and the batch holds a box of tokens."""
+    tokens, K/V where its kernel has a K/V box (a ragged cache of at least one tile's tokens; K alone where it gathers
+    V), O where its kernel has an output box and the batch holds a box of tokens."""
     from attnjit.families import sm90
 
     q_box, kv_rows, o_box = sm90.tma_boxes(plan.spec, plan.work.tile)
@@ -120,7 +120,7 @@ def _expected_tma(plan) -> str:
     if q_box is not None and plan.total_q >= q_box[1] // q_box[0]:
         used.append("q")
     if kv_rows and (plan.spec.kv == "paged" or plan.total_kv >= kv_rows):
-        used.append("kv")
+        used.append("k" if sm90.tma_v_gather(plan.spec, plan.work.tile) else "kv")  # V gathered: K's box only
     if o_box is not None and plan.total_q >= o_box[1] // o_box[0]:
         used.append("o")
     return "+".join(used)

@@ -142,10 +142,11 @@ struct TilePageIds<Tr, Item, true> {
   __device__ __forceinline__ void fetch(const Item& it, int tile, unsigned tid) { next = lane_page_id<Tr>(it, tile, tid); }
   __device__ __forceinline__ void take() { cur = next; }
   __device__ __forceinline__ void keep() { prev = cur; }
-  // by TMA where tma_tile says so, else by every thread's cp.async (each arrives once its copies land)
+  // by TMA where tma_tile says so (V: not where tma_v_gather), else by every thread's cp.async (each arrives once
+  // its copies land)
   template <bool IS_V>
   __device__ __forceinline__ void copy(const Item& it, int tile, uint32_t dst, uint64_t* full, unsigned tid) const {
-    if (tma_tile<Tr>(it, it.p.tma_flags, tile)) {
+    if (tma_tile<Tr>(it, it.p.tma_flags, tile) && !(IS_V && tma_v_gather<Tr>())) {
       tma_kv_tile<Tr>(it, IS_V ? &it.p.tma_v : &it.p.tma_k, dst, full, tile, IS_V ? prev : cur, tid);
     } else {
       RegPageIds<Tr::KV_PASSES> here;

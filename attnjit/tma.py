@@ -181,8 +181,10 @@ class Copies:
         if on and self.kv_rows:
             kw: dict[str, Any] = dict(paged=self.paged, hnd=self.hnd, rows=rows, page_size=page_size, heads=heads,
                                       head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows)
-            kd, vd = _encoded(kv_args(k_ptr, self.dtype, **kw)), _encoded(kv_args(v_ptr, self.dtype, **kw))
-            if kd is None or vd is None:  # k and v share one flag: both by TMA or neither
+            kd = _encoded(kv_args(k_ptr, self.dtype, **kw))
+            # V gathered: the kernel reads K's descriptor only; else k and v share one flag (both by TMA or neither)
+            vd = None if self.v_gather else _encoded(kv_args(v_ptr, self.dtype, **kw))
+            if kd is None or (vd is None and not self.v_gather):
                 kd = vd = None
         flags = (FLAG_Q if qd else 0) | (FLAG_KV if kd else 0)
         used = "+".join(n for n, d in (("q", qd), ("k" if self.v_gather else "kv", kd)) if d)

@@ -134,6 +134,25 @@ def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
     assert vals[i["tma_q"]] == bytes(128)
 
 
+def test_copies_fill_of_a_v_gathering_kernel_encodes_k_alone(monkeypatch):
+    """A kernel that gathers V (sm90.tma_v_gather: pages smaller than its tile) reads K's descriptor only: V's is
+    not encoded, a V that TMA could not read leaves K by TMA, and the record says "q+k"; an unaligned K turns K off."""
+    lay = attention_layout(None, "sm90")
+    i = lay.index
+    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), v_gather=True)
+    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
+    seen = []
+    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
+    vals = [0] * len(lay.names)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40008, **kw) == "q+k"   # V unaligned: no matter, it is gathered
+    assert [a.address for a in seen] == [0x10000, 0x20000]
+    assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV and vals[i["tma_k"]] == bytes([2]) * 128
+    assert vals[i["tma_v"]] == bytes(128)
+    assert copies.fill(vals, _Q(), 0x20008, 0x40000, **kw) == "q" and vals[i["tma_flags"]] == tma.FLAG_Q
+    assert vals[i["tma_k"]] == bytes(128)
+
+
 def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkeypatch):
     lay = attention_layout(None, "sm90")
     i = lay.index

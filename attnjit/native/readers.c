@@ -146,7 +146,7 @@ static int64_t read_table(Ints ind, Ints last, Ints ids, Py_ssize_t b, int64_t p
     int32_t lo, hi;
     if (ids.stride == 4 && copy_to && used <= copy_cap) {
       range_copy32((const int32_t *)ids.buf, copy_to, used, &lo, &hi);
-      *copied = 1;
+      if (copied) *copied = 1;
     } else if (ids.stride == 4)
       range32((const int32_t *)ids.buf, used, &lo, &hi);
     else {

@@ -220,7 +220,7 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_R, name="ragged-fp8-e5m2-fp16-tiles", kv="e5m2", dtype=torch.float16, causal=False),
               replace(_P, name="paged-fp8-e4m3-p1-tiles", kv="e4m3", page_size=1, qo_lens=PREFILL_QO,
                       kv_lens=PREFILL_KV)]
-TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8")] + \
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8", "kv128s3q1")] + \
     [(c, "q192kv64") for c in TILE_CASES + [replace(_P, name="paged-d64-tiles", head_dim=64),
                                             replace(_R, name="ragged-d64-fp16-tiles", head_dim=64,
                                                     dtype=torch.float16, causal=False)]

@@ -414,8 +414,8 @@ def dump_catalog(specs: Iterable[AttentionSpec | dict[str, Any]], header: str = 
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
-# a variant as catalogs name it: module:attribute, several joined by "+"
 _FIELD_ORDER = [f.name for f in fields(AttentionSpec)]
+# a variant as catalogs name it: module:attribute, several joined by "+"
 _VARIANT_REF = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*(\+[A-Za-z_][\w.]*:[A-Za-z_]\w*)*")
 
 

@@ -153,6 +153,8 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                               "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
             # v-tma: V by TMA too where tma_v_gather gathers it (the kernel before run 129): the A/B of the split
             "v-tma": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !(IS_V && false)) {"),
+            # tma-spread: a tile's boxes issued by lanes of all four producer warps (box j by lane j / 4 of warp
+            # j % 4), not eight lanes of the first: whether issuing the boxes from one warp limits them
             "tma-spread": (("""  if (tid >= 32) {
     mbar_arrive(bar);
     return;

@@ -117,12 +117,12 @@ static int int64_outputs(PyObject *const *objs, const char *const *names, const 
   return 0;
 }
 
-/* read_paged's checks and lengths of a page table of b requests (the GIL released by the caller). copy_to: where
- * dense page ids are also copied while they are checked, if they fit in copy_cap (else, or NULL, not copied;
- * *copied says which; copied may be NULL with copy_to) */
+/* read_paged's checks and lengths of a page table of b requests (the GIL released by the caller). copy_to (or
+ * NULL): where dense page ids are also copied while they are checked, when they fit in copy_cap; so a table read
+ * with status 0 and used <= copy_cap has its ids there */
 static int64_t read_table(Ints ind, Ints last, Ints ids, Py_ssize_t b, int64_t page_size, int64_t max_kv_len,
                           int64_t *kv, int64_t *base, int64_t *used_out, int64_t *max_page_out, int32_t *copy_to,
-                          int64_t copy_cap, int *copied) {
+                          int64_t copy_cap) {
   int64_t status = 0, used = 0, max_page = -1;
   if (AT(ind, 0) != 0) status = 1;
   for (Py_ssize_t i = 0; !status && i < b; ++i) {
@@ -144,10 +144,9 @@ static int64_t read_table(Ints ind, Ints last, Ints ids, Py_ssize_t b, int64_t p
   }
   if (!status && used > 0) {
     int32_t lo, hi;
-    if (ids.stride == 4 && copy_to && used <= copy_cap) {
+    if (ids.stride == 4 && copy_to && used <= copy_cap)
       range_copy32((const int32_t *)ids.buf, copy_to, used, &lo, &hi);
-      if (copied) *copied = 1;
-    } else if (ids.stride == 4)
+    else if (ids.stride == 4)
       range32((const int32_t *)ids.buf, used, &lo, &hi);
     else {
       lo = hi = AT(ids, 0);
@@ -190,7 +189,7 @@ PyObject *cplan_read_paged(PyObject *self, PyObject *args) {
   int64_t status, used, max_page;
   Py_BEGIN_ALLOW_THREADS
   status = read_table(ints(&v[0]), ints(&v[1]), ints(&v[2]), b, page_size, max_kv_len, (int64_t *)out[0].buf,
-                      (int64_t *)out[1].buf, &used, &max_page, NULL, 0, NULL);
+                      (int64_t *)out[1].buf, &used, &max_page, NULL, 0);
   Py_END_ALLOW_THREADS
   release(out, 2);
   release(v, 3);
@@ -234,7 +233,7 @@ PyObject *cplan_read_prefill(PyObject *self, PyObject *args) {
   if (!status && q64[b] > max_qo_rows) status = 7;
   if (!status)
     status = read_table(ints(&v[1]), ints(&v[2]), ints(&v[3]), b, page_size, max_kv_len, kv, (int64_t *)out[3].buf,
-                        &used, &max_page, NULL, 0, NULL);
+                        &used, &max_page, NULL, 0);
   for (Py_ssize_t i = 0; !status && causal_ok && i < b; ++i) causal_ok = ql[i] <= kv[i];
   Py_END_ALLOW_THREADS
   release(out, 4);
@@ -285,14 +284,12 @@ PyObject *cplan_fast_decode(PyObject *self, PyObject *args) {
   }
   Py_BEGIN_ALLOW_THREADS
   int64_t *q = mem, *kv = mem + b, *off = mem + 2 * b, *base = mem + 3 * b;
-  int copied = 0; /* the ids copied to staging while checked (a refused table's copy is never sent) */
-  status = read_table(ind, last, ids, b, page_size, max_kv_len, kv, base, &used, &max_page, host + ids_at, ids_cap,
-                      &copied);
+  /* the ids (dense: ids.stride 4) copied to staging while checked; a refused table's copy is never sent */
+  status = read_table(ind, last, ids, b, page_size, max_kv_len, kv, base, &used, &max_page, host + ids_at, ids_cap);
   if (!status && used > ids_cap) status = 7;
   else if (!status && num_pages >= 0 && max_page >= num_pages) status = 6;
   if (!status) {
     for (int64_t i = 0; i < b; ++i) q[i] = 1, off[i] = i; /* decode: one query row per request */
-    if (used && !copied) memcpy(host + ids_at, ids.buf, (size_t)used * 4);
   }
   if (!status) {
     r = cplan_plan(b, q, kv, off, base, host + 4, rec_cap, group, cta_q, cta_kv, causal, heads, slots, max_slots,

@@ -207,7 +207,8 @@ def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
     """The kernel's tma.Copies (its family's tma_boxes of the tile), or None where it copies nothing by TMA."""
     from .. import families, tma
 
-    boxes = getattr(families.get(spec.family), "tma_boxes", None)
+    family = families.get(spec.family)
+    boxes = getattr(family, "tma_boxes", None)
     if boxes is None or "tma_flags" not in layout.index:
         return None
     q_box, kv_rows, o_box = boxes(spec, tile)
@@ -215,7 +216,7 @@ def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
     return tma.Copies(q_box=q_box, kv_rows=kv_rows, dtype=spec.dtype_q, paged=spec.kv == "paged",
                       hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"], i["tma_o"]),
                       o_box=o_box, o_dtype=spec.dtype_o,
-                      v_gather=bool(getattr(families.get(spec.family), "tma_v_gather", lambda *_: False)(spec, tile)))
+                      v_gather=family.tma_v_gather(spec, tile))
 
 
 

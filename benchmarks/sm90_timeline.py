@@ -153,22 +153,10 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                               "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
             # v-tma: V by TMA too where tma_v_gather gathers it (the kernel before run 129): the A/B of the split
             "v-tma": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !(IS_V && false)) {"),
-            # tma-spread: a tile's boxes issued by lanes of all four producer warps (box j by lane j / 4 of warp
-            # j % 4), not eight lanes of the first: whether issuing the boxes from one warp limits them
-            "tma-spread": (("""  if (tid >= 32) {
-    mbar_arrive(bar);
-    return;
-  }
-  if (tid == 0) mbar_arrive_expect_tx(bar, Tr::KV_BYTES);
-  else mbar_arrive(bar);
-  const int j = static_cast<int>(tid);""", """  if (tid == 0) mbar_arrive_expect_tx(bar, Tr::KV_BYTES);
-  else mbar_arrive(bar);
-  const int j = static_cast<int>((tid % 32) * 4 + tid / 32);"""),
-                           ("const int j = it.kv_begin + tile * Tr::CTA_KV + static_cast<int>(tid % 32) * ROWS;",
-                            "const int box = static_cast<int>((tid % 32) * 4 + tid / 32);\n"
-                            "    const int j = it.kv_begin + tile * Tr::CTA_KV + box * ROWS;"),
-                           ("return tid < 32 && static_cast<int>(tid) < Tr::CTA_KV / ROWS && j < it.kv_len",
-                            "return box < Tr::CTA_KV / ROWS && j < it.kv_len")),
+            # tma-one-warp: a tile's boxes issued by lanes of the producer's first warp (box j by lane j), as before
+            # run 130: the A/B of tma_box_of
+            "tma-one-warp": ("return static_cast<int>((tid % 32) * 4 + tid / 32); }",
+                             "return tid < 32 ? static_cast<int>(tid) : 1 << 20; }"),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}

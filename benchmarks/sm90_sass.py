@@ -12,7 +12,7 @@ issue time the compiler itself schedules, to which scoreboards, barriers and bus
 say which of those dominates: the timeline (benchmarks/sm90_timeline.py) and Nsight Compute can. The counts are of
 the static code: both sides of a branch (the diagonal tile's mask, the conditional rescale of O) count once.
 
-Needs nvcc and cuobjdump (``pip install nvidia-cuda-cuobjdump``), no GPU.
+Needs nvcc and cuobjdump (``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm``), no GPU.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def sass_of(spec: AttentionSpec) -> str:
 def _module_sass(spec: AttentionSpec) -> str:
     tool = cuobjdump()
     if tool is None:
-        raise SystemExit("sm90_sass.py: cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+        raise SystemExit("sm90_sass.py: cuobjdump not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
     with tempfile.TemporaryDirectory() as d:
         src, cubin = Path(d) / "k.cu", Path(d) / "k.cubin"
         src.write_text(render(spec).source)

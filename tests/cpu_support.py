@@ -178,7 +178,10 @@ def compile_kernel(tmp_path: Path, spec: AttentionSpec, *, sass: bool = False) -
         return log, None
     tool = cuobjdump()
     assert tool is not None, "cuobjdump not found: pip install nvidia-cuda-cuobjdump (the test extra has it)"
-    return log, subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    dump = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True)
+    assert dump.returncode == 0, (f"cuobjdump -sass failed ({dump.returncode}): {dump.stderr.strip()} (cuobjdump 13.5 "
+                                  "needs nvdisasm beside it: pip install nvidia-cuda-nvdisasm, the test extra has it)")
+    return log, dump.stdout
 
 
 def assert_no_spills(log: str, sass: str | None = None, what: str = "the kernel") -> None:

@@ -153,6 +153,9 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                               "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
             # v-tma: V by TMA too where tma_v_gather gathers it (the kernel before run 129): the A/B of the split
             "v-tma": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !(IS_V && false)) {"),
+            # k-gather: K gathered by the producer's cp.async too where V is (only Q and O by TMA): whether the TMA
+            # unit's share of a multi-box tile still limits it
+            "k-gather": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !tma_v_gather<Tr>()) {"),
             # tma-one-warp: a tile's boxes issued by lanes of the producer's first warp (box j by lane j), as before
             # run 130: the A/B of tma_box_of
             "tma-one-warp": ("return static_cast<int>((tid % 32) * 4 + tid / 32); }",

@@ -30,9 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
-from attnjit.timing import time_ms  # noqa: E402
+from attnjit.timing import time_ms as _time_ms  # noqa: E402
 from benchmarks import cascade, fp8, pagesize, prefill  # noqa: E402
+from benchmarks.clocks import Spans  # noqa: E402
 from benchmarks.tables import decode_row, paged_tables  # noqa: E402
+
+# every timed block's wall-clock span, for benchmarks/clocks.py (the SM clock and power each figure was measured at)
+time_ms = Spans(_time_ms)
 
 H_Q, H_KV, D, PS, DT = 32, 8, 128, 16, torch.bfloat16
 DECODE_ROWS = [(1, 32768), (16, 4096), (64, 4096), (128, 2048), (256, 1024), (32, 16384)]
@@ -386,7 +390,7 @@ def main() -> int:
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
-            "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings}
+            "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings, "spans": time_ms.spans}
     if args.json:
         doc = {"meta": meta, "decode": decode_rows, "prefill": prefill_rows, "variants": variant_rows}
         if cascade_rows:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -344,9 +345,11 @@ def main() -> int:
         for _ in range(3):
             run()
         if args.time:
+            t0 = time.time()
             out[shape] = {"tflops": round(tflops(run, b, L, causal), 1)}
+            out[shape]["span"] = [t0, time.time()]   # for benchmarks/clocks.py
             print(shape, args.layout, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
-                  out[shape], flush=True)
+                  {"tflops": out[shape]["tflops"]}, flush=True)
         if args.no_stamps:
             continue
         ws.zero_()
@@ -359,7 +362,8 @@ def main() -> int:
         items = ws[ITEM_BASE * 8: (ITEM_BASE + sms * WGS * MAX_ITEMS * 8) * 8].view(torch.int64).cpu().numpy()
         out[shape] = {**out.get(shape, {}), **report(stamps)}
         out[shape]["items"] = item_report(items)
-        print(shape, json.dumps({k: v for k, v in out[shape].items() if k != "cta0"}, indent=1), flush=True)
+        shown = {k: v for k, v in out[shape].items() if k not in ("cta0", "span")}
+        print(shape, json.dumps(shown, indent=1), flush=True)
         for wg in (0, 1):
             print(f"  cta 0, warpgroup {wg}:", [row[:7] for row in out[shape]["cta0"][wg][:6]], flush=True)
     if args.json:

@@ -71,6 +71,29 @@ if grep -q " built" "$OUT/warm.txt" && [ "$(grep -c '^  built' "$OUT/warm.txt")"
 fi
 
 fi_flag=--no-flashinfer
+# the SM clock, power and temperature every 100 ms while a stage times (benchmarks/clocks.py joins them with the
+# timed spans of its JSON: what clock each figure was measured at)
+clocks_start() {
+  clk_pid=
+  command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader,nounits -lms 100 \
+    >"$OUT/clocks-$1.csv" 2>/dev/null &
+  clk_pid=$!
+}
+clocks_stop() {   # stage, then the JSON files to join
+  local stage=$1 f
+  shift
+  [ -n "$clk_pid" ] || return 0
+  kill "$clk_pid" 2>/dev/null
+  wait "$clk_pid" 2>/dev/null
+  for f in "$@"; do
+    [ -f "$f" ] && python3 benchmarks/clocks.py "$f" "$OUT/clocks-$stage.csv" >>"$OUT/clocks-$stage.txt" 2>&1
+  done
+  [ -f "$OUT/clocks-$stage.txt" ] && grep -E "prefill .* (attnjit|flashinfer_fa3|sdpa_cudnn) |TFLOP/s" \
+    "$OUT/clocks-$stage.txt" | head -24
+  return 0
+}
+
 setup_flashinfer() {   # FlashInfer 0.7.2 from the carried bundle, with its JIT output of an earlier run
   [ "$fi_flag" = "" ] && return
   [ -f .bench/flashinfer.tar.xz ] || return
@@ -135,6 +158,7 @@ fi
 if has timeline; then   # the sm90 consumer's phases and what-if patches, kernels from .timeline-cache (no compile)
   IFS=';' read -ra tl_sets <<<"${TIMELINE_ARGS:-32x512 8x2048}"
   n=0
+  clocks_start timeline
   for a in "${tl_sets[@]}"; do
     n=$((n + 1))
     # shellcheck disable=SC2086  # each set is a list of arguments
@@ -144,6 +168,7 @@ if has timeline; then   # the sm90 consumer's phases and what-if patches, kernel
     grep -E "tflops|iteration_cycles|\"(epilogue|main loop|wait Q|to the next item)|Error|error" \
       "$OUT/timeline-$n.txt" | head -24
   done
+  clocks_stop timeline "$OUT"/timeline-*.json
 fi
 if has fixed; then   # decode's fixed cost per call: by KV length, split size, and against plain reads of the bytes
   python3 benchmarks/decode_fixed.py --json "$OUT/fixed.json" >"$OUT/fixed.txt" 2>"$OUT/fixed.err"
@@ -176,9 +201,11 @@ fi
 if has bench; then
   setup_flashinfer
   t=$(date +%s)
+  clocks_start bench
   timeout -k 10 "${BENCH_BUDGET:-1800}" python3 benchmarks/bench.py $fi_flag ${BENCH_ARGS:-} --json "$OUT/bench.json" \
     >"$OUT/bench.txt" 2>"$OUT/bench.err"
   summary+=("bench (rc=$?, $(( $(date +%s) - t )) s)")
+  clocks_stop bench "$OUT/bench.json"
   python3 benchmarks/engine.py runtime >"$OUT/engine.json" 2>>"$OUT/bench.err"
   summary+=("engine: $(tail -1 "$OUT/engine.json")")
   tail -5 "$OUT/bench.err"

@@ -3,7 +3,7 @@
 queue in the stream one after another, so the host's launch cost hides behind the GPU's work, as long as a call's
 GPU work outlasts its host time. Where it may not (a few short kernels a call: cascade decode), ``graph=True``
 captures the ``reps`` calls in one CUDA graph and times its replays: the GPU's time alone, as a graph-mode engine
-runs it."""
+runs it. Calls to be compared with each other go through ``time_many``, which interleaves their blocks."""
 
 from __future__ import annotations
 
@@ -45,3 +45,34 @@ def time_ms(fn: Callable[[], object], reps: int = 30, blocks: int = 7, warmup: i
         end.synchronize()
         means.append(start.elapsed_time(end) / reps)
     return statistics.median(means)
+
+
+def time_many(fns: dict[str, Callable[[], object]], reps: int = 30, blocks: int = 7,
+              warmup: int = 10) -> dict[str, float]:
+    """``time_ms`` of several calls that are to be compared, interleaved: each round times one block of ``reps``
+    back-to-back calls of every function in turn (round k starting at the k-th, so no function always follows the
+    same one), and each function's figure is the median of its ``blocks`` blocks' means, in ms. Timed one after
+    another instead, the later ones run on a GPU that earlier ones heated: on an H100, paged causal 8x2048 measured
+    0.487 ms as the first work of a process and 0.632 ms after two seconds of matmuls (benchmarks/harness_ab.py,
+    run 134), a larger difference than most comparisons look for."""
+    import torch
+
+    names = list(fns)
+    if not names:
+        return {}
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    torch.cuda.synchronize()
+    means: dict[str, list[float]] = {name: [] for name in names}
+    for k in range(blocks):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            fn = fns[name]
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            end.synchronize()
+            means[name].append(start.elapsed_time(end) / reps)
+    return {name: statistics.median(v) for name, v in means.items()}

@@ -16,7 +16,7 @@ from . import dispatch, dtypes, families
 from .cache import Cache
 from .errors import NoGPUError
 from .specs import AttentionSpec
-from .timing import time_ms
+from .timing import time_many
 from .tuning import Record, TuningStore, gpu_id, untuned
 
 KV_HEADS = 8
@@ -30,8 +30,9 @@ class Outcome:
     note: str = ""
 
 
-def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | None):
-    """A wrapper planned for the workload with one tile configuration, and its run."""
+def _workload(torch, spec: AttentionSpec, batch: int, length: int):
+    """The workload's inputs, made once, and a function that plans a wrapper on them with one tile configuration:
+    tile -> (wrapper, run(out)); and q (its outputs' shape)."""
     import attnjit
 
     dev = "cuda"
@@ -40,14 +41,16 @@ def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | N
     d, hq = spec.head_dim_qk, KV_HEADS * spec.group_size
     q = torch.randn(batch * length, hq, d, dtype=dt, device=dev, generator=gen)
     qo = torch.arange(0, batch * length + 1, length, dtype=torch.int32)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    kw = dict(backend=spec.family, variant=spec.variant, tile=tile)  # a family name is a backend name
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)   # shared: the runs are stream-ordered
     causal = spec.mask == "causal"
     if spec.kv == "ragged":
         k, v = (torch.randn(batch * length, KV_HEADS, d, dtype=dt, device=dev, generator=gen) for _ in range(2))
-        w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, **kw)
-        w.plan(qo, qo, hq, KV_HEADS, d, causal=causal, q_data_type=dt)
-        return w, lambda out: w.run(q, k, v, out=out), q
+
+        def planned(tile: str | None):
+            w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend=spec.family, variant=spec.variant, tile=tile)
+            w.plan(qo, qo, hq, KV_HEADS, d, causal=causal, q_data_type=dt)
+            return w, lambda out: w.run(q, k, v, out=out)
+        return planned, q
     ps = spec.page_size
     pages = -(-length // ps)
     ids = torch.randperm(batch * pages, device=dev, generator=gen).to(torch.int32)
@@ -55,9 +58,13 @@ def _workload(torch, spec: AttentionSpec, batch: int, length: int, tile: str | N
     last = torch.full((batch,), length - ps * (pages - 1), dtype=torch.int32)
     shape = (batch * pages, 2, ps, KV_HEADS, d) if spec.layout == "NHD" else (batch * pages, 2, KV_HEADS, ps, d)
     cache = torch.randn(shape, dtype=dt, device=dev, generator=gen)
-    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, spec.layout, **kw)
-    w.plan(qo, indptr, ids.cpu(), last, hq, KV_HEADS, d, ps, causal=causal, q_data_type=dt)
-    return w, lambda out: w.run(q, cache, out=out), q
+
+    def planned(tile: str | None):   # a family name is a backend name
+        w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, spec.layout, backend=spec.family, variant=spec.variant,
+                                                        tile=tile)
+        w.plan(qo, indptr, ids.cpu(), last, hq, KV_HEADS, d, ps, causal=causal, q_data_type=dt)
+        return w, lambda out: w.run(q, cache, out=out)
+    return planned, q
 
 
 def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache: Cache | None = None,
@@ -74,21 +81,23 @@ def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache:
                        if spec.op == "prefill" else "nothing to tune: only prefill specs have tile configurations")
     if spec.variant is not None and any(part.params for part in spec.variant.parts):
         return Outcome(spec, {}, None, f"not tuned: variant {spec.variant.name!r} takes run-time parameters")
-    ms: dict[str, float] = {}
-    ref = None
+    planned, q = _workload(torch, spec, batch, length)
+    runs, outs = {}, {}
     for name in names:
-        w, run, q = _workload(torch, spec, batch, length, name)
+        w, run = planned(name)
         if w.last_plan.get("tile") is None:
             raise RuntimeError(f"tune: the plan of {spec.short_name()} reports no tile")
-        out = torch.empty_like(q)
-        ms[name] = time_ms(lambda: run(out), reps=reps, blocks=5, warmup=3)
-        if ref is None:
-            ref = out.float()
-        else:
-            err = ((out.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-            if not err < 2e-2:
-                raise RuntimeError(f"tune: tile {name} of {spec.short_name()} disagrees with {names[0]} (relative "
-                                   f"difference {err:.2e}); not recording a winner")
+        out = outs[name] = torch.empty_like(q)
+        runs[name] = (lambda run, out: lambda: run(out))(run, out)
+    # interleaved (timing.time_many): a tile timed late would otherwise run on a GPU the earlier ones heated
+    say(f"  {spec.short_name()}: timing {len(names)} tile configurations, interleaved")
+    ms = time_many(runs, reps=reps, blocks=5, warmup=3)
+    ref = outs[names[0]].float()
+    for name in names:
+        err = ((outs[name].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+        if not err < 2e-2:
+            raise RuntimeError(f"tune: tile {name} of {spec.short_name()} disagrees with {names[0]} (relative "
+                               f"difference {err:.2e}); not recording a winner")
         say(f"  {spec.short_name()} tile {name}: {ms[name]:.4f} ms")
     best = min(ms, key=ms.get)
     device = torch.cuda.get_device_name()

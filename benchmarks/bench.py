@@ -9,7 +9,9 @@ Workloads: H_q 32, H_kv 8, head_dim 128, bf16, page_size 16, NHD, pages in shuff
   variants: built-ins and a user variant on the default family (prefill) and on decode
 Ceilings measured in the same run: device copy (read + write) and an 8192^3 bf16 matmul.
 Timing: CUDA events around 30 back-to-back calls (after 10 warm-up calls), median of 7 such blocks; each call is
-a whole run() (all its launches). Every input is random; KV caches are larger than the 60 MB L2.
+a whole run() (all its launches). A prefill row's implementations (and the variants) are timed interleaved, block by
+block (attnjit.timing.time_many), so that none runs on a GPU the others heated. Every input is random; KV caches
+are larger than the 60 MB L2.
 
     python benchmarks/bench.py [--only decode|prefill|variants] [--main-only] [--no-flashinfer] [--json OUT.json]
     python benchmarks/bench.py --only cascade   # shared-prefix decode (benchmarks/cascade.py; not in the default run)
@@ -30,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import attnjit  # noqa: E402
+from attnjit.timing import time_many  # noqa: E402
 from attnjit.timing import time_ms as _time_ms  # noqa: E402
 from benchmarks import cascade, fp8, pagesize, prefill  # noqa: E402
 from benchmarks.clocks import Spans  # noqa: E402
@@ -80,7 +83,7 @@ def _ws():
 def bench_prefill(fi, rows, results, sdpa: bool = True, families=("auto", "fa2")):
     """Paged causal prefill rows (batch, length) through benchmarks/prefill.py (both families, FlashInfer, SDPA)."""
     prefill.bench_rows(fi, [prefill.Row(b, L) for b, L in rows], results, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
-                       sdpa=sdpa, families=families)
+                       sdpa=sdpa, families=families, time_many=time_many)
 
 
 def measure_ceilings() -> dict:
@@ -294,7 +297,7 @@ def sweep_sm90(rows, names: str = "") -> list[dict]:
     res: list[dict] = []
     prefill.bench_rows(fi, rows, res, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi,
                        families=tuple(f"fa3@{t}" for t in tiles),
-                       fi_backends=("fa3",))
+                       fi_backends=("fa3",), time_many=time_many)
     print(prefill.tile_table(res, tiles), flush=True)
     return res
 
@@ -383,10 +386,12 @@ def main() -> int:
         print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
     if "prefill" in only:
         rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
-        prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
+        prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip,
+                           time_many=time_many)
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
     if "variants" in only:
-        prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip)
+        prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip,
+                               time_many=time_many)
         bench_variants(fi, variant_rows)
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),

@@ -97,62 +97,78 @@ def _flashinfer(fi, ws, row: Row, q, qo_indptr, kv, tables, backend: str, **plan
 
 
 def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
-               families=("auto", "auto-strided", "fa2"), fi_backends=("fa2", "fa3"), fi_skip=frozenset()) -> None:
+               families=("auto", "auto-strided", "fa2"), fi_backends=("fa2", "fa3"), fi_skip=frozenset(),
+               time_many=None) -> None:
     """Append one result dict per row: {impl}_ms and {impl}_tflops for each implementation that ran. ``fi_skip``:
     FlashInfer modules not to run ("fa3:64": its fa3 module at head_dim 64; each costs minutes of JIT on the GPU
     machine when its cache was not carried). The A/B columns (AB: the same default module and process under a
     setting): "auto-notma" with ATTNJIT_TMA=0 (cp.async copies only), "auto-strided" with ATTNJIT_WORK_CLAIMS=0
-    (each CTA walks the work list by grid stride instead of claiming items)."""
+    (each CTA walks the work list by grid stride instead of claiming items). ``time_many`` (attnjit.timing's): a row's
+    implementations timed interleaved, block by block, so that none runs on a GPU the others heated (run 134); None:
+    each with ``time_ms``, one after another."""
     for i, row in enumerate(rows):
         q, qo_indptr, kv, tables = _inputs(row, seed=1 + i)
         r = {"op": "prefill", "shape": row.shape, "label": row.label, "tag": row.tag, "flops": row.flops}
-        ref = None
+        runs: dict[str, object] = {}   # name -> call, each writing its own output
+        outs: dict[str, torch.Tensor] = {}
         for backend in families:
             name, env = AB.get(backend, (f"attnjit_{backend.replace('@', '_')}", {}))
             if backend == "auto":
                 name = "attnjit"
-            with mock.patch.dict(os.environ, env):
+            with mock.patch.dict(os.environ, env):   # the settings act in plan()
                 w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if backend in AB else backend)
-                out = torch.empty_like(q)
-                r[f"{name}_ms"] = time_ms(lambda: run(out))
-                r[f"{name}_plan"] = w.last_plan
-            if ref is None:
-                ref = out.float()
-            else:
-                r[f"{name}_max_diff"] = (out.float() - ref).abs().max().item()
+            r[f"{name}_plan"] = w.last_plan
+            outs[name] = torch.empty_like(q)
+            runs[name] = (lambda run, out: lambda: run(out))(run, outs[name])
         for backend in fi_backends if fi is not None else ():
             name = f"flashinfer_{backend}"
             if f"{backend}:{row.head_dim}" in fi_skip:
                 r[f"{name}_error"] = "skipped (--fi-skip: its JIT module was not carried)"
                 continue
             try:
-                run = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend)
-                out = torch.empty_like(q)
-                r[f"{name}_ms"] = time_ms(lambda: run(out))
-                r[f"{name}_max_diff"] = (out.float() - ref).abs().max().item()
-            except Exception as exc:  # noqa: BLE001 (a backend FlashInfer lacks for this row: say so)
+                frun = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend)
+                outs[name] = torch.empty_like(q)
+                runs[name] = (lambda frun, out: lambda: frun(out))(frun, outs[name])
+                runs[name]()   # a backend FlashInfer lacks for this row fails here, before the timing
+            except Exception as exc:  # noqa: BLE001 (say so in the row)
+                runs.pop(name, None)
                 r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         if sdpa:
-            _sdpa(row, r, time_ms)
+            runs.update(_sdpa(row, r))
+        if time_many is not None:
+            r.update({f"{name}_ms": ms for name, ms in time_many(runs).items()})
+        else:
+            for name, run in runs.items():
+                r[f"{name}_ms"] = time_ms(run)
+        first = next(iter(outs), None)   # attnjit's first family: the others' reference
+        for name, out in outs.items():
+            if name != first:
+                r[f"{name}_max_diff"] = (out.float() - outs[first].float()).abs().max().item()
         for k in [k[:-3] for k in r if k.endswith("_ms")]:
             r[f"{k}_tflops"] = row.flops / (r[f"{k}_ms"] * 1e-3) / 1e12
         results.append(r)
-        del kv, q
+        del kv, q, outs, runs
         torch.cuda.empty_cache()
 
 
-def _sdpa(row: Row, r: dict, time_ms) -> None:
+def _sdpa(row: Row, r: dict) -> dict:
+    """torch SDPA's cuDNN and flash backends on contiguous [B, H_q, L, D] tensors: name -> call (each in its backend's
+    context); a backend that fails its first call is an error in ``r``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     shape = (row.batch, H_Q, row.length, row.head_dim)
     qs, ks, vs = (torch.randn(shape, dtype=DT, device="cuda") for _ in range(3))
+    runs = {}
     for name, backend in (("sdpa_cudnn", "CUDNN_ATTENTION"), ("sdpa_flash", "FLASH_ATTENTION")):
+        def run(backend=getattr(SDPBackend, backend)):
+            with sdpa_kernel(backend):
+                torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=row.causal)
         try:
-            with sdpa_kernel(getattr(SDPBackend, backend)):
-                r[f"{name}_ms"] = time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
-                    qs, ks, vs, is_causal=row.causal))
+            run()
+            runs[name] = run
         except Exception as exc:  # noqa: BLE001
             r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
+    return runs
 
 
 # --- variants on the default family ------------------------------------------------------------------------------
@@ -167,29 +183,41 @@ VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 3
 
 
 def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), fi_backends=("fa3",),
-                   fi_skip=frozenset()) -> None:
+                   fi_skip=frozenset(), time_many=None) -> None:
     """Each built-in and a user variant on the default family, against its default kernel (and FlashInfer's;
     "fa3:variants" in ``fi_skip`` skips FlashInfer's variant modules, "fa3:window" one of them, by the feature's
-    first word)."""
+    first word). ``time_many``: all of them timed interleaved, block by block (else one after another)."""
     q, qo_indptr, kv, tables = _inputs(row, seed=7)
-    out = torch.empty_like(q)
-    for feature, plan_kw, run_kw, fi_kw, variant in VARIANTS:
+    runs: dict[tuple[int, str], object] = {}   # (feature index, impl) -> call
+    outs: dict[tuple[int, str], torch.Tensor] = {}
+    rows = []
+    for i, (feature, plan_kw, run_kw, fi_kw, variant) in enumerate(VARIANTS):
         r = {"op": "prefill variants", "shape": row.shape, "feature": feature}
         w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto", variant=variant, **plan_kw)
-        r["attnjit_ms"] = time_ms(lambda: run(out, **run_kw))
+        out = outs[i, "attnjit"] = torch.empty_like(q)
+        runs[i, "attnjit"] = (lambda run, out, kw: lambda: run(out, **kw))(run, out, run_kw)
         r["family"] = w.last_plan["family"]
         for backend in fi_backends if fi is not None and fi_kw is not None else ():
+            name = f"flashinfer_{backend}"
             if fi_kw and ({f"{backend}:variants", f"{backend}:{feature.split()[0].lower()}"} & fi_skip):
-                r[f"flashinfer_{backend}_error"] = "skipped (--fi-skip)"
+                r[f"{name}_error"] = "skipped (--fi-skip)"
                 continue
             try:
                 frun = _flashinfer(fi, ws_fi(), row, q, qo_indptr, kv, tables, backend, **fi_kw)
-                fout = torch.empty_like(q)
-                r[f"flashinfer_{backend}_ms"] = time_ms(lambda: frun(fout))
-                r[f"flashinfer_{backend}_max_diff"] = (out.float() - fout.float()).abs().max().item()
+                fout = outs[i, name] = torch.empty_like(q)
+                runs[i, name] = (lambda frun, out: lambda: frun(out))(frun, fout)
+                runs[i, name]()   # a module that fails, fails here, before the timing
             except Exception as exc:  # noqa: BLE001
-                r[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        results.append(r)
+                runs.pop((i, name), None)
+                outs.pop((i, name), None)
+                r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(r)
+    ms = time_many(runs) if time_many is not None else {key: time_ms(run) for key, run in runs.items()}
+    for (i, name), value in ms.items():
+        rows[i][f"{name}_ms"] = value
+        if name != "attnjit":
+            rows[i][f"{name}_max_diff"] = (outs[i, "attnjit"].float() - outs[i, name].float()).abs().max().item()
+    results.extend(rows)
 
 
 # the A/B columns: backend name -> (result name, environment), and their table labels

@@ -20,6 +20,7 @@ from . import _handles, planner as P
 from .planner import _LOG2E
 from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_apart_from, check_layout, check_metadata,
                       check_tensor, check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
+from ._grad import guard
 from ._running import Plan, check_q_out, copies_for, kv_scales, launch, split_scale, variant_args
 from ._upload import MetadataBuffers
 from ._variants import Binding, bind, check_value, with_sinks
@@ -478,7 +479,7 @@ class _AttentionWrapper(FlashInferAliases):
                 _merge_partials(plan, out, lse, scale)
         elif post is not None:
             out.mul_(post)
-        return (out, lse) if return_lse else out
+        return guard(type(self), (out, lse) if return_lse else out, q)
 
     def _run_partials(self, q, paged_kv_cache, out, lse, **kwargs):
         """run() of a deferred plan that launches its kernel (it writes partial states only, not out or lse) and

@@ -34,6 +34,7 @@ import torch
 
 from . import planner as P
 from .attention import BatchPrefillWithPagedKVCacheWrapper
+from ._grad import guard
 from .compat import FlashInferAliases
 from .merge import merge_state_in_place
 
@@ -181,6 +182,12 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         """q: [nnz_qo, H_q, D] -> out [nnz_qo, H_q, D] (and the merged lse [nnz_qo, H_q], base 2, with
         return_lse). The last level writes out/lse, each other level its scratch, merged in place. ``kwargs`` (e.g.
         k_scale, v_scale for an fp8 cache) go to every level's run()."""
+        with torch.no_grad():   # the levels' outputs are merged in place; the result is guarded once
+            result = self._run(q, paged_kv_cache, *args, out=out, lse=lse, return_lse=return_lse, **kwargs)
+        return guard(type(self), result, q)
+
+    def _run(self, q: torch.Tensor, paged_kv_cache, *args: Any, out: torch.Tensor | None = None,
+             lse: torch.Tensor | None = None, return_lse: bool = False, **kwargs: Any):
         if self._plan is None:
             raise RuntimeError("MultiLevelCascadeAttentionWrapper.run() called before plan()")
         if args:

@@ -69,7 +69,8 @@ def _run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, scales: tuple, **k
     kwargs.update(k_scale=k_scale_t if k_scale_t is not None else k_scale,
                   v_scale=v_scale_t if v_scale_t is not None else v_scale)
     try:
-        return w.run(q, k, v, **kwargs) if w._op_kind == "ragged" else w.run(q, _cache(k, v), **kwargs)
+        with torch.no_grad():   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
+            return w.run(q, k, v, **kwargs) if w._op_kind == "ragged" else w.run(q, _cache(k, v), **kwargs)
     finally:
         # an op body keeps no reference to its inputs: under mode="reduce-overhead" a KV cache that is not a static
         # address is a copy in the CUDA-graph pool while the graph records, and run()'s memo of the last cache
@@ -91,9 +92,10 @@ def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Ten
 def _single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap, pos_encoding_mode, want_lse):
     from .single import single_prefill_eager
 
-    o, lse = single_prefill_eager(q, k, v, causal=causal, kv_layout=kv_layout, sm_scale=sm_scale,
-                                  window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                  pos_encoding_mode=pos_encoding_mode, return_lse=True, cached=True)
+    with torch.no_grad():   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
+        o, lse = single_prefill_eager(q, k, v, causal=causal, kv_layout=kv_layout, sm_scale=sm_scale,
+                                      window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                      pos_encoding_mode=pos_encoding_mode, return_lse=True, cached=True)
     return o, (lse if want_lse else _no_lse(q))
 
 

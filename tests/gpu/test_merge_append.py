@@ -139,3 +139,27 @@ def test_append_out_of_range_is_an_error_with_check_and_skipped_without():
     attnjit.append_paged_kv_cache(k, k, *args)  # position 16 is past the request's only page: not written
     torch.cuda.synchronize()
     assert cache.abs().sum().item() == 0
+
+
+def test_outputs_that_need_a_gradient_fail_in_backward_not_silently():
+    """attnjit's kernels have no backward: with grad mode on and q (or a state) requiring grad, the outputs carry a
+    grad_fn whose backward raises (ops/_grad.py); under no_grad they are plain tensors, as every engine runs them."""
+    v_a, s_a = _states(16, 4, 64, torch.float16, 1)
+    v_b, s_b = _states(16, 4, 64, torch.float16, 2)
+    v_a.requires_grad_()
+    v, s = attnjit.merge_state(v_a, s_a, v_b, s_b)
+    assert v.requires_grad
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        v.float().sum().backward()
+    with torch.no_grad():
+        v2, _ = attnjit.merge_state(v_a, s_a, v_b, s_b)
+    assert not v2.requires_grad and torch.equal(v2, v.detach())
+    q = torch.randn(1, 4, 64, dtype=torch.float16, device=DEV, requires_grad=True)
+    k = torch.randn(32, 1, 64, dtype=torch.float16, device=DEV)
+    o = attnjit.single_prefill_with_kv_cache(q, k, k.clone(), causal=True)
+    assert o.requires_grad
+    with pytest.raises(RuntimeError, match=r"no backward pass.*\.run\(\)"):
+        o.float().sum().backward()
+    assert q.grad is None
+    with torch.inference_mode():
+        assert not attnjit.single_prefill_with_kv_cache(q.detach(), k, k, causal=True).requires_grad

@@ -115,11 +115,14 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
             name, env = AB.get(backend, (f"attnjit_{backend.replace('@', '_')}", {}))
             if backend == "auto":
                 name = "attnjit"
-            with mock.patch.dict(os.environ, env):   # the settings act in plan()
+            with mock.patch.dict(os.environ, env):   # ATTNJIT_WORK_CLAIMS acts in plan()
                 w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if backend in AB else backend)
             r[f"{name}_plan"] = w.last_plan
             outs[name] = torch.empty_like(q)
-            runs[name] = (lambda run, out: lambda: run(out))(run, outs[name])
+            if env:   # ATTNJIT_TMA is read by each run(): the setting around every call
+                runs[name] = (lambda run, out, env: lambda: _with_env(env, run, out))(run, outs[name], env)
+            else:
+                runs[name] = (lambda run, out: lambda: run(out))(run, outs[name])
         for backend in fi_backends if fi is not None else ():
             name = f"flashinfer_{backend}"
             if f"{backend}:{row.head_dim}" in fi_skip:
@@ -132,6 +135,7 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
                 runs[name]()   # a backend FlashInfer lacks for this row fails here, before the timing
             except Exception as exc:  # noqa: BLE001 (say so in the row)
                 runs.pop(name, None)
+                outs.pop(name, None)
                 r[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         if sdpa:
             runs.update(_sdpa(row, r))
@@ -149,6 +153,11 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
         results.append(r)
         del kv, q, outs, runs
         torch.cuda.empty_cache()
+
+
+def _with_env(env: dict, run, out) -> None:
+    with mock.patch.dict(os.environ, env):
+        run(out)
 
 
 def _sdpa(row: Row, r: dict) -> dict:

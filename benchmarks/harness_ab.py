@@ -25,27 +25,12 @@ import torch  # noqa: E402
 import attnjit  # noqa: E402
 from attnjit.timing import time_ms  # noqa: E402
 from benchmarks import prefill  # noqa: E402
+from benchmarks.sm90_timeline import best_ms  # noqa: E402
 from benchmarks.tables import paged_tables  # noqa: E402
 
 
 def _flops(b: int, L: int) -> float:
     return 4 * b * 32 * 128 * L * L / 2
-
-
-def best_ms(run, calls: int = 40, rounds: int = 5) -> float:
-    """sm90_timeline.py's timer: the best of ``rounds`` rounds of ``calls`` back-to-back calls, in ms."""
-    for _ in range(5):
-        run()
-    best = float("inf")
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls)
-    return best
 
 
 def inputs(kind: str, b: int, L: int, seed: int):

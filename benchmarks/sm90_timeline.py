@@ -201,9 +201,9 @@ def _stamped(render, stamps: bool = True, what_if: str | None = None):
     return render_stamped
 
 
-def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) -> float:
-    """TFLOP/s of ``run`` called back to back in the stream (the best of ``rounds`` rounds; causal FLOPs
-    4 B H D L^2 / 2, H = 32 query heads, D = 128)."""
+def best_ms(run, calls: int = 40, rounds: int = 5) -> float:
+    """ms a call of ``run``, called back to back in the stream: the best of ``rounds`` rounds of ``calls`` (after 5
+    warm-up calls). The cold GPU's best blocks: for comparisons within one process (benchmarks/harness_ab.py)."""
     import torch
 
     for _ in range(5):
@@ -216,9 +216,14 @@ def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) 
             run()
         end.record()
         end.synchronize()
-        best = min(best, start.elapsed_time(end) / calls * 1e-3)
+        best = min(best, start.elapsed_time(end) / calls)
+    return best
+
+
+def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) -> float:
+    """TFLOP/s of ``run`` by best_ms (causal FLOPs 4 B H D L^2 / 2, H = 32 query heads, D = 128)."""
     flops = 4 * b * 32 * 128 * L * L * (0.5 if causal else 1.0)
-    return flops / best / 1e12
+    return flops / (best_ms(run, calls, rounds) * 1e-3) / 1e12
 
 
 LAYOUTS = ("paged", "paged-seq", "ragged")

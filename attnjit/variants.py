@@ -24,6 +24,10 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
+With ``mask_from_kv_start=True`` a variant declares that its logits_mask hides exactly the keys below kv_start
+(a sliding window) and that kv_start never decreases as q_pos grows: a KV tile at or above the kv_start of an
+item's last query row then skips the mask, as tiles below the causal diagonal skip the causal one (without it,
+every tile of a masked variant pays for the mask).
   sink()                 -> float  an attention sink: a logit (on the scale of sm_scale * q.k) that joins each row's
                                    softmax denominator only, as a key whose value is the zero vector, so
                                    o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) and lse = log2(sum_j e^{s_j} +
@@ -113,15 +117,16 @@ class Variant:
     """One attention variant (see the module docstring). Immutable; equal variants have equal ``digest``s.
 
     Attributes: name; params, ((name, float | int | TensorParam), ...); hooks, ((hook, snippet), ...);
-    use_softmax; parts, the variants a composition applies in order (a plain variant's parts are itself).
+    use_softmax; mask_from_kv_start (the mask is exactly kv_pos >= kv_start: mask-free tiles skip it); parts, the
+    variants a composition applies in order (a plain variant's parts are itself).
     """
 
-    __slots__ = ("name", "params", "hooks", "use_softmax", "parts", "_digest")
+    __slots__ = ("name", "params", "hooks", "use_softmax", "mask_from_kv_start", "parts", "_digest")
 
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
                  output_transform: str | None = None, kv_start: str | None = None, key_transform: str | None = None,
-                 sink: str | None = None, use_softmax: bool = True):
+                 sink: str | None = None, use_softmax: bool = True, mask_from_kv_start: bool = False):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
         declared = {}
@@ -150,10 +155,16 @@ class Variant:
                              "weight (e.g. a sigmoid)")
         if not use_softmax and any(h == "sink" for h, _ in hooks):
             raise ValueError(f"variant {name!r}: a sink joins the softmax denominator; use_softmax=False has none")
+        if not isinstance(mask_from_kv_start, bool):
+            raise TypeError(f"variant {name!r}: mask_from_kv_start must be True or False")
+        if mask_from_kv_start and not (logits_mask and kv_start):
+            raise ValueError(f"variant {name!r}: mask_from_kv_start=True says the logits_mask hides exactly the keys "
+                             "below kv_start; it needs both hooks")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "params", tuple(declared.items()))
         object.__setattr__(self, "hooks", tuple(hooks))
         object.__setattr__(self, "use_softmax", use_softmax)
+        object.__setattr__(self, "mask_from_kv_start", mask_from_kv_start)
         object.__setattr__(self, "parts", (self,))
 
     # --- identity ------------------------------------------------------------------------------------------
@@ -162,9 +173,12 @@ class Variant:
         def kind(k):
             return k.__name__ if k in (float, int) else k.describe()
 
-        return {"name": self.name, "params": [[n, kind(k)] for n, k in self.params], "hooks": [list(h) for h in self.hooks],
-                "use_softmax": self.use_softmax, "parts": [p.describe() for p in self.parts] if len(self.parts) > 1
-                else []}
+        d = {"name": self.name, "params": [[n, kind(k)] for n, k in self.params], "hooks": [list(h) for h in self.hooks],
+             "use_softmax": self.use_softmax, "parts": [p.describe() for p in self.parts] if len(self.parts) > 1
+             else []}
+        if self.mask_from_kv_start:   # only where set: every other variant keeps its digest (and cache keys)
+            d["mask_from_kv_start"] = True
+        return d
 
     @property
     def digest(self) -> str:
@@ -271,6 +285,9 @@ def _compose(variants: tuple[Variant, ...]) -> Variant:
     object.__setattr__(v, "params", tuple(x for p in parts for x in p.params))
     object.__setattr__(v, "hooks", ())
     object.__setattr__(v, "use_softmax", all(p.use_softmax for p in parts))
+    # the and-ed mask is exactly kv_pos >= the largest kv_start when each masking part's is its own kv_start bound
+    masking = [p for p in parts if p.hook("logits_mask")]
+    object.__setattr__(v, "mask_from_kv_start", bool(masking) and all(p.mask_from_kv_start for p in masking))
     object.__setattr__(v, "parts", tuple(parts))
     return v
 
@@ -300,7 +317,7 @@ SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",
-                         kv_start="return q_pos - window_left;")
+                         kv_start="return q_pos - window_left;", mask_from_kv_start=True)
 
 ALIBI = Variant("alibi", params={"alibi_slopes": TensorParam("float32", per="qo_head")},
                 logits_transform="return logit + alibi_slopes[qo_head] * rel_pos;")

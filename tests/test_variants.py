@@ -276,3 +276,44 @@ def test_position_and_scale_hooks_cost_no_conversion_or_extra_multiply_a_logit()
     assert conversions(alibi) <= conversions(default) + 4, alibi
     assert softcap["FMUL"] - default["FMUL"] <= 2 * 64 + 4, (softcap["FMUL"], default["FMUL"])
     assert softcap["MUFU"] - default["MUFU"] <= 64 + 2, softcap   # one tanh a logit
+
+
+def test_mask_from_kv_start_is_declared_checked_composed_and_rendered():
+    """A sliding window's mask is exactly its kv_start bound: it declares so (mask_from_kv_start), so that its
+    kernels mask only the tiles below an item's bound (attnjit/work.cuh, tile_needs_mask); a composition keeps the
+    declaration only while every masking part has it; every other variant's description (and digest) is as before."""
+    assert V.SLIDING_WINDOW.mask_from_kv_start
+    assert "mask_from_kv_start" in V.SLIDING_WINDOW.describe()
+    for v in (V.SOFTCAP, V.ALIBI, V.CUSTOM_MASK, V.SIGMOID, USER_SIGMOID):
+        assert not v.mask_from_kv_start and "mask_from_kv_start" not in v.describe()
+    with pytest.raises(ValueError, match="needs both hooks"):
+        V.Variant("half", logits_mask="return kv_pos % 2 == 0;", mask_from_kv_start=True)
+    with pytest.raises(ValueError, match="needs both hooks"):
+        V.Variant("start", kv_start="return q_pos - 4;", mask_from_kv_start=True)
+    with pytest.raises(TypeError, match="True or False"):
+        V.Variant("w", logits_mask="return true;", kv_start="return 0;", mask_from_kv_start=1)
+    plain = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;")
+    declared = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;",
+                         mask_from_kv_start=True)
+    assert plain != declared and plain.digest != declared.digest   # it changes the code, so the key
+    assert V.compose(V.SOFTCAP, V.SLIDING_WINDOW).mask_from_kv_start
+    assert V.compose(V.SLIDING_WINDOW, V.ALIBI, V.SOFTCAP).mask_from_kv_start
+    assert not V.compose(V.SLIDING_WINDOW, V.CUSTOM_MASK).mask_from_kv_start   # the custom mask hides other keys
+    assert not V.compose(V.SOFTCAP, V.ALIBI).mask_from_kv_start                # no mask at all
+    assert "MASK_FROM_KV_START = true" in render(prefill(V.SLIDING_WINDOW)).source
+    assert "MASK_FROM_KV_START = true" in render(prefill(V.compose(V.SOFTCAP, V.SLIDING_WINDOW))).source
+    assert "MASK_FROM_KV_START = false" in render(prefill(V.CUSTOM_MASK)).source
+    sm90 = dict(head_dim=128, dtype="bf16", group_size=4, family="sm90", arch="sm_90a")
+    assert "MASK_FROM_KV_START = true" in render(prefill(V.SLIDING_WINDOW, **sm90)).source
+
+
+@pytest.mark.nvcc
+def test_sm90_sliding_window_compiles_without_spills(tmp_path):
+    """The window's per-item bound (mask_from) is one more register of the work item: no spills in the sm90 kernel."""
+    from .cpu_support import assert_no_spills, compile_kernel
+
+    spec = AttentionSpec(op="prefill", head_dim=128, page_size=16, dtype="bf16", mask="causal", group_size=4,
+                         family="sm90", arch="sm_90a", variant=V.SLIDING_WINDOW)
+    log, sass = compile_kernel(tmp_path, spec, sass=True)
+    assert_no_spills(log, sass, "the sm90 sliding-window kernel")
+    assert "HGMMA" in sass

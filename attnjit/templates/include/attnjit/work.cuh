@@ -44,6 +44,7 @@ struct WorkItem {
   int pslot;                 // partial slot of this item's first token (-1: write the output)
   int pslot0, nchunks, group;  // split group: chunk 0's slot, chunks, ticket counter index
   int chunk;                   // this item's chunk of its split group (0: unsplit, or the first chunk)
+  int mask_from = 0;           // V::MASK_FROM_KV_START: tiles from this key on need no variant mask for any row
 
   __device__ explicit WorkItem(const P& params) : p(params), var(params), kv_head(0) {}
 
@@ -78,6 +79,10 @@ struct WorkItem {
       const int lo = var.kv_start(kv_len - qo_len + packed_row0 / Tr::GROUP, qo_len, kv_len, req, kv_head);
       if (lo > kv_begin) kv_begin = lo / Tr::CTA_KV * Tr::CTA_KV;
     }
+    if constexpr (V::HAS_LOGITS_MASK && V::MASK_FROM_KV_START) {  // the bound of the item's last (highest) row
+      const int last_row = min(packed_row0 + Tr::CTA_Q, rows_total) - 1;
+      mask_from = var.kv_start(kv_len - qo_len + last_row / Tr::GROUP, qo_len, kv_len, req, kv_head);
+    }
     num_tiles = kv_stop > kv_begin ? (kv_stop - kv_begin + Tr::CTA_KV - 1) / Tr::CTA_KV : 0;
     return packed_row0 < rows_total;
   }
@@ -104,8 +109,12 @@ struct WorkItem {
 
   // Whether the KV tile starting at kv0 holds any hidden key for some row of this item (the boundary, the causal
   // diagonal, or a variant mask): only such tiles pay for masking.
+  // A variant whose mask is its kv_start bound (MASK_FROM_KV_START: a sliding window) masks only the tiles that
+  // begin below the item's last row's bound (mask_from); any other variant mask, every tile.
   __device__ __forceinline__ bool tile_needs_mask(int kv0) const {
-    return V::HAS_LOGITS_MASK || kv0 + Tr::CTA_KV > kv_stop ||
+    bool variant_mask = V::HAS_LOGITS_MASK;
+    if constexpr (V::HAS_LOGITS_MASK && V::MASK_FROM_KV_START) variant_mask = kv0 < mask_from;
+    return variant_mask || kv0 + Tr::CTA_KV > kv_stop ||
            (Tr::CAUSAL && kv0 + Tr::CTA_KV - 1 > kv_len - qo_len + packed_row0 / Tr::GROUP);
   }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnjit.ops._grad import guard
+from attnjit.ops._grad import grad_off, guard, refuse_in_place, set_grad
 
 
 def test_no_grad_needed_returns_the_outputs_themselves():
@@ -43,3 +43,79 @@ def test_tuples_keep_their_shape_and_a_wrapper_class_is_named_by_its_run():
     assert isinstance(one, tuple) and len(one) == 1
     with pytest.raises(RuntimeError, match=r"BatchDecodeWithPagedKVCacheWrapper\.run\(\)"):
         got[0].sum().backward()
+
+
+def test_k_v_and_tensor_parameters_are_inputs_too_even_inside_a_tuple_or_dict():
+    """A (k, v) cache tuple, a learned sink in run()'s variant parameters: any of them requiring grad ties the
+    output to a backward that raises; plain floats and None among the inputs are skipped."""
+    out = torch.zeros(2, 3)
+    q, k = torch.randn(2, 3), torch.randn(4, 3)
+    v = torch.randn(4, 3, requires_grad=True)
+    got = guard("op", out, q, (k, v), {"cap": 30.0}, None, 1.0)
+    assert got.requires_grad
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        got.sum().backward()
+    sinks = torch.zeros(4, requires_grad=True)
+    got = guard("op", out, q, k, {"sinks": sinks, "cap": 30.0})
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        got.sum().backward()
+    assert sinks.grad is None
+    assert guard("op", out, q, (k, k), {"cap": 1.0}, [None]) is out
+
+
+def test_an_in_place_op_refuses_inputs_that_require_grad_while_grad_mode_is_on():
+    v = torch.zeros(2, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="writes in place"):
+        refuse_in_place("merge_state_in_place", torch.zeros(2, 3), v)
+    refuse_in_place("merge_state_in_place", torch.zeros(2, 3), v.detach())
+    with torch.no_grad():
+        refuse_in_place("merge_state_in_place", v)
+
+
+def test_grad_off_restores_the_previous_mode_in_its_finally():
+    for start in (True, False):
+        torch.set_grad_enabled(start)
+        try:
+            previous = grad_off()
+            try:
+                assert not torch.is_grad_enabled()
+                raise KeyError("the op body raised")
+            except KeyError:
+                pass
+            finally:
+                set_grad(previous)
+            assert torch.is_grad_enabled() is start
+        finally:
+            torch.set_grad_enabled(True)
+
+
+def test_the_guard_holds_inside_torch_compile_around_an_op_without_autograd():
+    """The compiled paths call guard() around their torch.ops.attnjit op (which registers no autograd kernel and
+    alone would give only a warning and no gradient). A toy op of the same kind, compiled with aot_eager on the CPU:
+    backward raises; without grad the output is a plain tensor."""
+    lib = torch.library.Library("attnjit_grad_test", "DEF")
+    lib.define("double(Tensor x) -> Tensor")
+
+    def body(x):
+        previous = grad_off()
+        try:
+            return x * 2
+        finally:
+            set_grad(previous)
+
+    lib.impl("double", body, "CPU")
+    torch.library.register_fake("attnjit_grad_test::double", lambda x: torch.empty_like(x), lib=lib)
+
+    def fn(x, w):
+        h = x @ w
+        return guard("double", torch.ops.attnjit_grad_test.double(h), h)
+
+    compiled = torch.compile(fn, backend="aot_eager")
+    x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
+    y = compiled(x, w)
+    assert y.requires_grad and torch.equal(y.detach(), (x @ w.detach()) * 2)
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        y.sum().backward()
+    assert w.grad is None
+    with torch.no_grad():
+        assert not compiled(x, w).requires_grad

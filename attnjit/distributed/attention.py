@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..ops._grad import guard
 from .combine import StateCombiner
 from .local import make_shard
 from .sharding import ShardTable, shard_page_table
@@ -163,7 +164,7 @@ class _ContextParallelWrapper:
             o = out.copy_(o if out.dtype == q.dtype else o.to(q.dtype))
         else:
             o = o.to(q.dtype)
-        return (o, lse) if return_lse else o
+        return guard(type(self), (o, lse) if return_lse else o, q, paged_kv_cache)
 
     forward = run
 

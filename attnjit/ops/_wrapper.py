@@ -450,7 +450,7 @@ class _AttentionWrapper(FlashInferAliases):
             if lse is None and return_lse:
                 lse = q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
             torch.ops.attnjit.batch_run_out(self._handle, q, k, v, out, lse, ks, vs, kt, vt)
-        return (out, lse) if return_lse else out
+        return guard(type(self), (out, lse) if return_lse else out, q, k, v, k_scale, v_scale)
 
     def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
                     stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False, kv_spans: tuple = ()):
@@ -479,7 +479,7 @@ class _AttentionWrapper(FlashInferAliases):
                 _merge_partials(plan, out, lse, scale)
         elif post is not None:
             out.mul_(post)
-        return guard(type(self), (out, lse) if return_lse else out, q)
+        return (out, lse) if return_lse else out
 
     def _run_partials(self, q, paged_kv_cache, out, lse, **kwargs):
         """run() of a deferred plan that launches its kernel (it writes partial states only, not out or lse) and
@@ -534,9 +534,10 @@ class _PagedMixin:
             raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
                              f"({planned}); pass window_left to plan()")
         cache = self._check_cache(plan, paged_kv_cache)
-        return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
-                                cache.stride_page, cache.stride_inner, cache.num_pages, paged=True,
-                                kv_spans=cache.spans)
+        result = self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
+                                  cache.stride_page, cache.stride_inner, cache.num_pages, paged=True,
+                                  kv_spans=cache.spans)
+        return guard(type(self), result, q, paged_kv_cache, variant_params, k_scale, v_scale)
 
     _op_kind = "paged"
 

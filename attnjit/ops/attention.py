@@ -29,6 +29,7 @@ import torch
 from ..variants import Variant
 from . import planner as P
 from ._common import byte_span, check_tensor, check_vectors, unsupported
+from ._grad import guard
 from ._running import vector_ready
 from ._variants import with_sinks
 from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
@@ -263,7 +264,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
         if k.stride() != v.stride():
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
         spans = (("k", byte_span(k)), ("v", byte_span(v)))
-        return self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
-                                k.stride(0), k.stride(1), k.shape[0], kv_spans=spans)
+        result = self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
+                                  k.stride(0), k.stride(1), k.shape[0], kv_spans=spans)
+        return guard(type(self), result, q, k, v, variant_params, k_scale, v_scale)
 
     _op_kind = "ragged"

@@ -184,7 +184,7 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         k_scale, v_scale for an fp8 cache) go to every level's run()."""
         with torch.no_grad():   # the levels' outputs are merged in place; the result is guarded once
             result = self._run(q, paged_kv_cache, *args, out=out, lse=lse, return_lse=return_lse, **kwargs)
-        return guard(type(self), result, q)
+        return guard(type(self), result, q, paged_kv_cache, kwargs)
 
     def _run(self, q: torch.Tensor, paged_kv_cache, *args: Any, out: torch.Tensor | None = None,
              lse: torch.Tensor | None = None, return_lse: bool = False, **kwargs: Any):

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from . import _handles
+from ._grad import grad_off, set_grad
 # the merge ops' bodies are the eager functions themselves (no wrapper frame, no import per call: the op's cost over
 # a direct call is the dispatcher's alone, issue 13's "within 2 us")
 from .merge import merge_state_eager, merge_state_in_place_eager, merge_states_eager
@@ -68,10 +69,11 @@ def _run(handle: int, q: Tensor, k: Tensor, v: Tensor | None, scales: tuple, **k
     k_scale, v_scale, k_scale_t, v_scale_t = scales
     kwargs.update(k_scale=k_scale_t if k_scale_t is not None else k_scale,
                   v_scale=v_scale_t if v_scale_t is not None else v_scale)
+    grad = grad_off()   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
     try:
-        with torch.no_grad():   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
-            return w.run(q, k, v, **kwargs) if w._op_kind == "ragged" else w.run(q, _cache(k, v), **kwargs)
+        return w.run(q, k, v, **kwargs) if w._op_kind == "ragged" else w.run(q, _cache(k, v), **kwargs)
     finally:
+        set_grad(grad)
         # an op body keeps no reference to its inputs: under mode="reduce-overhead" a KV cache that is not a static
         # address is a copy in the CUDA-graph pool while the graph records, and run()'s memo of the last cache
         # would keep that copy alive ("tensor(s) in the cudagraph pool not tracked as outputs")
@@ -92,10 +94,13 @@ def _batch_run_out(handle: int, q: Tensor, k: Tensor, v: Tensor | None, out: Ten
 def _single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap, pos_encoding_mode, want_lse):
     from .single import single_prefill_eager
 
-    with torch.no_grad():   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
+    grad = grad_off()   # below the dispatcher's autograd: no guard (ops/_grad.py) inside an op body
+    try:
         o, lse = single_prefill_eager(q, k, v, causal=causal, kv_layout=kv_layout, sm_scale=sm_scale,
                                       window_left=window_left, logits_soft_cap=logits_soft_cap,
                                       pos_encoding_mode=pos_encoding_mode, return_lse=True, cached=True)
+    finally:
+        set_grad(grad)
     return o, (lse if want_lse else _no_lse(q))
 
 

@@ -13,7 +13,7 @@ from ..generator import PARAMS
 from ..specs import HEAD_DIMS
 from ._common import (COMPUTE_DTYPES, SPEC_DTYPE, byte_span, check_head_dim, check_no_overlap, check_tensor,
                       check_vectors, require_cuda, spec_for)
-from ._grad import guard
+from ._grad import guard, refuse_in_place
 
 _BLOCK = 128
 _launches = dispatch.module_memo()  # (dtype, head_dim, device index) -> {kernel name: Launch}: per call one lookup
@@ -77,7 +77,7 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
                 s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
     if torch.compiler.is_compiling():
-        return tuple(torch.ops.attnjit.merge_state(v_a, s_a, v_b, s_b))
+        return guard("merge_state", tuple(torch.ops.attnjit.merge_state(v_a, s_a, v_b, s_b)), v_a, s_a, v_b, s_b)
     return guard("merge_state", merge_state_eager(v_a, s_a, v_b, s_b), v_a, s_a, v_b, s_b)
 
 
@@ -93,6 +93,7 @@ def merge_state_eager(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
 def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                          mask: torch.Tensor | None = None) -> None:
     """(v, s) <- merge((v, s), (v_other, s_other)) for rows where mask (bool [seq], default all) is true."""
+    refuse_in_place("merge_state_in_place", v, s, v_other, s_other)
     if torch.compiler.is_compiling():
         torch.ops.attnjit.merge_state_in_place(v, s, v_other, s_other, mask)
         return
@@ -210,7 +211,7 @@ assert PARAMS["merge_partials"].names == (
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [seq, num_states, H, D], s: [seq, num_states, H] float32 -> (v [seq, H, D], s [seq, H])."""
     if torch.compiler.is_compiling():
-        return tuple(torch.ops.attnjit.merge_states(v, s))
+        return guard("merge_states", tuple(torch.ops.attnjit.merge_states(v, s)), v, s)
     return guard("merge_states", merge_states_eager(v, s), v, s)
 
 

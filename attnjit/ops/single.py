@@ -14,6 +14,7 @@ import torch
 
 from ..variants import Variant
 from ._common import check_layout, check_tensor, unsupported
+from ._grad import guard
 from ._running import vector_ready
 from .planner import MAX_KV_LEN, MAX_QO_ROWS, as_flag
 from .attention import BatchPrefillWithRaggedKVCacheWrapper
@@ -128,7 +129,7 @@ def single_prefill_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                           rope_scale=rope_scale, rope_theta=rope_theta)
         o, lse = torch.ops.attnjit.single_prefill(q, k, v, causal, kv_layout, sm_scale, window_left, logits_soft_cap,
                                                   pos_encoding_mode, return_lse)
-        return (o, lse) if return_lse else o
+        return guard("single_prefill_with_kv_cache", (o, lse) if return_lse else o, q, k, v)
     return single_prefill_eager(q, k, v, custom_mask=custom_mask, packed_custom_mask=packed_custom_mask,
                                 causal=causal, kv_layout=kv_layout, pos_encoding_mode=pos_encoding_mode,
                                 use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale,
@@ -151,7 +152,7 @@ def single_decode_with_kv_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                           v_scale=v_scale, rope_scale=rope_scale, rope_theta=rope_theta)
         o, lse = torch.ops.attnjit.single_decode(q, k, v, kv_layout, sm_scale, window_left, logits_soft_cap,
                                                  pos_encoding_mode, return_lse)
-        return (o, lse) if return_lse else o
+        return guard("single_decode_with_kv_cache", (o, lse) if return_lse else o, q, k, v)
     check_tensor("q", q, dim=2)
     unsupported(q_scale=q_scale)
     as_flag("use_tensor_cores", use_tensor_cores)   # accepted, as FlashInfer's; every attnjit path uses them

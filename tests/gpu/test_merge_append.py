@@ -163,3 +163,19 @@ def test_outputs_that_need_a_gradient_fail_in_backward_not_silently():
     assert q.grad is None
     with torch.inference_mode():
         assert not attnjit.single_prefill_with_kv_cache(q.detach(), k, k.clone(), causal=True).requires_grad
+    # k or v alone requiring grad (q plain) is guarded too, and so is a paged cache passed as a (k, v) tuple
+    kg = k.clone().requires_grad_()
+    o = attnjit.single_prefill_with_kv_cache(q.detach(), kg, k.clone(), causal=True)
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        o.float().sum().backward()
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(torch.empty(32 << 20, dtype=torch.uint8, device=DEV))
+    w.plan(torch.tensor([0, 2], dtype=torch.int32, device=DEV), torch.tensor([0, 1], dtype=torch.int32, device=DEV),
+           torch.tensor([16], dtype=torch.int32, device=DEV), 4, 1, 64, 16, q_data_type=torch.bfloat16)
+    cache_k = torch.randn(2, 16, 1, 64, dtype=torch.bfloat16, device=DEV)   # (a spec of specs/gpu-tests.toml)
+    o = w.run(q.detach().bfloat16(), (cache_k, cache_k.clone().requires_grad_()))
+    assert o.requires_grad
+    with pytest.raises(RuntimeError, match=r"BatchDecodeWithPagedKVCacheWrapper\.run\(\)"):
+        o.float().sum().backward()
+    # an in-place merge refuses a state that requires grad (its write would be invisible to autograd)
+    with pytest.raises(RuntimeError, match="writes in place"):
+        attnjit.merge_state_in_place(v_b.clone(), s_b.clone(), v_a, s_a)

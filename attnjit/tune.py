@@ -83,7 +83,8 @@ def tune(spec: AttentionSpec, *, batch: int, length: int, reps: int = 20, cache:
         return Outcome(spec, {}, None, f"not tuned: variant {spec.variant.name!r} takes run-time parameters")
     planned, q = _workload(torch, spec, batch, length)
     runs, outs = {}, {}
-    for name in names:
+    for i, name in enumerate(names, 1):   # a tile not in the cache compiles here (a minute or more each): say so
+        say(f"  {spec.short_name()}: planning tile {name} ({i}/{len(names)}; compiles it unless it is cached)")
         w, run = planned(name)
         if w.last_plan.get("tile") is None:
             raise RuntimeError(f"tune: the plan of {spec.short_name()} reports no tile")

@@ -163,8 +163,14 @@ def test_tuning_record_picks_the_tile_plan_runs(workspace, tmp_path, monkeypatch
     monkeypatch.setenv("ATTNJIT_CACHE_DIR", str(tmp_path / "cache"))
     tuning.clear_memo()
     spec = Case("t", "paged", (1,), (1,)).spec("sm90")
-    outcome = tune(spec, batch=2, length=512, reps=3, cache=Cache(tmp_path / "cache"))
+    said = []
+    outcome = tune(spec, batch=2, length=512, reps=3, cache=Cache(tmp_path / "cache"), say=said.append)
     names = families.tunable_names(spec)
+    # progress before each tile is planned (a cold cache compiles there), then the timing, then one line a tile
+    assert [m for m in said if "planning tile" in m] == [
+        f"  {spec.short_name()}: planning tile {n} ({i}/{len(names)}; compiles it unless it is cached)"
+        for i, n in enumerate(names, 1)]
+    assert said.index(next(m for m in said if "interleaved" in m)) == len(names)
     assert outcome.best in names and set(outcome.ms) == set(names) and len(names) >= 3
     b = make_paged((300,), (400,), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                    dtype=torch.bfloat16, device=DEV, seed=12)

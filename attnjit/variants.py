@@ -27,7 +27,8 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
 With ``mask_from_kv_start=True`` a variant declares that its logits_mask hides exactly the keys below kv_start
 (a sliding window) and that kv_start never decreases as q_pos grows: a KV tile at or above the kv_start of an
 item's last query row then skips the mask, as tiles below the causal diagonal skip the causal one (without it,
-every tile of a masked variant pays for the mask).
+every tile of a masked variant pays for the mask). kv_start sees kv_head, not qo_head, so a mask that differs
+between the query heads of a group (a per-head window) cannot declare it (a ValueError where the mask reads qo_head).
   sink()                 -> float  an attention sink: a logit (on the scale of sm_scale * q.k) that joins each row's
                                    softmax denominator only, as a key whose value is the zero vector, so
                                    o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) and lse = log2(sum_j e^{s_j} +
@@ -160,6 +161,13 @@ class Variant:
         if mask_from_kv_start and not (logits_mask and kv_start):
             raise ValueError(f"variant {name!r}: mask_from_kv_start=True says the logits_mask hides exactly the keys "
                              "below kv_start; it needs both hooks")
+        if mask_from_kv_start and re.search(r"\bqo_head\b", logits_mask):
+            # kv_start sees kv_head, not qo_head: the query heads of a group share one bound, so a mask that differs
+            # between them (a per-head window) is not "exactly the keys below kv_start" and skipping it would be wrong
+            raise ValueError(f"variant {name!r}: mask_from_kv_start=True with a logits_mask that reads qo_head: "
+                             "kv_start has no qo_head (the query heads of a KV head share its bound), so a per-head "
+                             "mask cannot be declared by it; drop mask_from_kv_start (the mask then runs on every "
+                             "tile)")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "params", tuple(declared.items()))
         object.__setattr__(self, "hooks", tuple(hooks))

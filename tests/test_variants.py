@@ -292,6 +292,11 @@ def test_mask_from_kv_start_is_declared_checked_composed_and_rendered():
         V.Variant("start", kv_start="return q_pos - 4;", mask_from_kv_start=True)
     with pytest.raises(TypeError, match="True or False"):
         V.Variant("w", logits_mask="return true;", kv_start="return 0;", mask_from_kv_start=1)
+    with pytest.raises(ValueError, match="reads qo_head"):   # kv_start has no qo_head: a per-head window can't declare
+        V.Variant("per_head", logits_mask="return kv_pos >= q_pos - 8 * (qo_head + 1);",
+                  kv_start="return q_pos - 8 * (kv_head + 1);", mask_from_kv_start=True)
+    V.Variant("per_head", logits_mask="return kv_pos >= q_pos - 8 * (qo_head + 1);",
+              kv_start="return q_pos - 8 * (kv_head + 1);")   # undeclared: the mask runs on every tile
     plain = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;")
     declared = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;",
                          mask_from_kv_start=True)

@@ -8,6 +8,7 @@ runs it. Calls to be compared with each other go through ``time_many``, which in
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable
 
 
@@ -48,13 +49,15 @@ def time_ms(fn: Callable[[], object], reps: int = 30, blocks: int = 7, warmup: i
 
 
 def time_many(fns: dict[str, Callable[[], object]], reps: int = 30, blocks: int = 7,
-              warmup: int = 10) -> dict[str, float]:
+              warmup: int = 10, on_block: Callable[[str, float, float, float], None] | None = None) -> dict[str, float]:
     """``time_ms`` of several calls that are to be compared, interleaved: each round times one block of ``reps``
     back-to-back calls of every function in turn (round k starting at the k-th, so no function always follows the
     same one), and each function's figure is the median of its ``blocks`` blocks' means, in ms. Timed one after
     another instead, the later ones run on a GPU that earlier ones heated: on an H100, paged causal 8x2048 measured
     0.487 ms as the first work of a process and 0.632 ms after two seconds of matmuls (benchmarks/harness_ab.py,
-    run 134), a larger difference than most comparisons look for."""
+    run 134), a larger difference than most comparisons look for. ``on_block(name, t0, t1, ms)``, if given, gets
+    each block as it is timed: its wall-clock span (epoch seconds; the GPU is idle when a block starts, so the span is
+    the block's) and its mean ms per call (benchmarks/clocks.py joins the spans with the SM clock samples)."""
     import torch
 
     names = list(fns)
@@ -69,10 +72,13 @@ def time_many(fns: dict[str, Callable[[], object]], reps: int = 30, blocks: int 
         for name in names[k % len(names):] + names[:k % len(names)]:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             fn = fns[name]
+            t0 = time.time()
             start.record()
             for _ in range(reps):
                 fn()
             end.record()
             end.synchronize()
             means[name].append(start.elapsed_time(end) / reps)
+            if on_block is not None:
+                on_block(name, t0, time.time(), means[name][-1])
     return {name: statistics.median(v) for name, v in means.items()}

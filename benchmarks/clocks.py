@@ -12,7 +12,8 @@ and then joins the two:
     python3 benchmarks/clocks.py timeline-1.json clocks.csv
 
 A block's name is the result key whose value is the block's ms (bench.py's rows keep time_ms's return value as it
-came); a span no key matches (a sweep's inner timing, a ceiling) is listed by its position. The samples inside a span
+came); a block of an interleaved timing (time_many) is named by its function's figure, the median the row keeps; a
+span no key matches (a sweep's inner timing, a ceiling) is listed by its position. The samples inside a span
 are averaged; a span shorter than the sampling period gets the nearest sample.
 """
 
@@ -29,7 +30,9 @@ from typing import Callable
 
 
 class Spans:
-    """``time_ms`` with each call's wall-clock span: ``spans`` is [[t0, t1, ms], ...] in call order (epoch seconds)."""
+    """``time_ms`` with each call's wall-clock span: ``spans`` is [[t0, t1, ms], ...] in call order (epoch seconds).
+    ``interleaved(time_many)`` wraps attnjit.timing.time_many the same way: each of its blocks becomes a span
+    [t0, t1, block ms, function name, that function's figure (the median its caller keeps)]."""
 
     def __init__(self, time_ms: Callable[..., float]):
         self._time_ms = time_ms
@@ -40,6 +43,14 @@ class Spans:
         ms = self._time_ms(*args, **kwargs)
         self.spans.append([t0, time.time(), ms])
         return ms
+
+    def interleaved(self, time_many: Callable[..., dict]) -> Callable[..., dict]:
+        def timed(fns, **kwargs) -> dict:
+            got: list[list] = []
+            figures = time_many(fns, on_block=lambda name, t0, t1, ms: got.append([t0, t1, ms, name]), **kwargs)
+            self.spans += [span + [figures[span[3]]] for span in got]
+            return figures
+        return timed
 
 
 def read_samples(path: Path) -> list[tuple[float, float, float, float]]:
@@ -89,7 +100,14 @@ def blocks(doc) -> list[tuple[str, float, float, float]]:
     """(name, t0, t1, ms) of every timed block in a bench.py or sm90_timeline.py document."""
     if isinstance(doc.get("meta"), dict) and "spans" in doc["meta"]:
         names = _names_by_ms(doc)
-        return [(names.get(ms, f"span {i}"), t0, t1, ms) for i, (t0, t1, ms) in enumerate(doc["meta"]["spans"])]
+        out = []
+        for i, (t0, t1, ms, *block) in enumerate(doc["meta"]["spans"]):
+            if block:   # a block of an interleaved timing: named by its function's figure (the row's value)
+                fn, figure = block
+                out.append((f"{names.get(figure, f'span {i}')} (block of {fn})", t0, t1, ms))
+            else:
+                out.append((names.get(ms, f"span {i}"), t0, t1, ms))
+        return out
     out = []
     for shape, row in doc.items():   # sm90_timeline.py: {shape: {"tflops": .., "span": [t0, t1]}}
         if isinstance(row, dict) and "span" in row:

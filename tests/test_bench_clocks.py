@@ -46,6 +46,27 @@ def test_blocks_named_by_their_ms_and_averaged(tmp_path):
     assert clocks.during([], 0.0, 1.0) is None
 
 
+def test_interleaved_blocks_are_spans_named_by_their_function_and_row(tmp_path):
+    """time_many's blocks (through Spans.interleaved) join the spans, each named by the row value its function's
+    figure became, beside time_ms's own spans."""
+    def fake_time_many(fns, on_block=None, reps=30):
+        for k, name in enumerate(["attnjit", "sdpa_cudnn", "sdpa_cudnn", "attnjit"]):
+            on_block(name, 10.0 + k, 10.5 + k, {"attnjit": 0.5, "sdpa_cudnn": 0.75}[name] + k / 100)
+        return {"attnjit": 0.515, "sdpa_cudnn": 0.765}
+
+    spans = clocks.Spans(lambda fn, **kw: 9.0)
+    spans(lambda: None)
+    timed = spans.interleaved(fake_time_many)
+    assert timed({"attnjit": None, "sdpa_cudnn": None}, reps=5) == {"attnjit": 0.515, "sdpa_cudnn": 0.765}
+    assert len(spans.spans) == 5 and spans.spans[1] == [10.0, 10.5, 0.5, "attnjit", 0.515]
+    doc = {"meta": {"spans": spans.spans},
+           "prefill": [{"shape": "8x2048", "attnjit_ms": 0.515, "sdpa_cudnn_ms": 0.765}]}
+    names = [g[0] for g in clocks.blocks(doc)]
+    a, c = "prefill 8x2048 attnjit (block of attnjit)", "prefill 8x2048 sdpa_cudnn (block of sdpa_cudnn)"
+    assert names == ["span 0", a, c, c, a]
+    assert [g[3] for g in clocks.blocks(doc)][1:] == [0.5, 0.76, 0.77, 0.53]
+
+
 def test_main_prints_one_line_a_block(tmp_path, capsys):
     base = 1_800_000_000.0
     csv = _csv(tmp_path, [(base, 1755, 650, 55)])

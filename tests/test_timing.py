@@ -53,3 +53,22 @@ def test_time_many_interleaves_blocks_and_takes_each_median(monkeypatch):
     # the drift weighs on each alike: the ratios stay near the costs' (1 : 2 : 3) within the drift's few percent
     assert abs(got["b"] / got["a"] - 2.0) < 0.02 and abs(got["c"] / got["a"] - 3.0) < 0.03
     assert timing.time_many({}) == {}
+
+
+def test_time_many_reports_each_block_with_its_span_and_mean(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(torch.cuda, "Event", clock.event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+
+    def make(cost):
+        def fn():
+            clock.now += cost
+        return fn
+
+    seen = []
+    got = timing.time_many({"a": make(1.0), "b": make(2.0)}, reps=3, blocks=4, warmup=1,
+                           on_block=lambda *block: seen.append(block))
+    assert [s[0] for s in seen] == ["a", "b", "b", "a", "a", "b", "b", "a"]   # every block, in the order timed
+    assert all(t0 <= t1 for _, t0, t1, _ in seen)
+    assert [ms for name, _, _, ms in seen if name == "b"] == [2.0] * 4
+    assert got == {"a": 1.0, "b": 2.0}

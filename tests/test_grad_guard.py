@@ -72,50 +72,79 @@ def test_an_in_place_op_refuses_inputs_that_require_grad_while_grad_mode_is_on()
         refuse_in_place("merge_state_in_place", v)
 
 
-def test_grad_off_restores_the_previous_mode_in_its_finally():
+def test_op_bodies_restore_grad_mode_when_the_eager_code_raises():
+    """The torch.ops.attnjit bodies turn grad mode off around the eager code (grad_off / set_grad) and restore it
+    on the way out: here the eager code raises attnjit's NoGPUError (no GPU), with grad mode on and off."""
+    from attnjit.errors import NoGPUError
+
+    q = torch.randn(4, 2, 64, dtype=torch.float16)
+    k = torch.randn(8, 2, 64, dtype=torch.float16)
     for start in (True, False):
-        torch.set_grad_enabled(start)
-        try:
-            previous = grad_off()
-            try:
-                assert not torch.is_grad_enabled()
-                raise KeyError("the op body raised")
-            except KeyError:
-                pass
-            finally:
-                set_grad(previous)
+        with torch.set_grad_enabled(start):
+            with pytest.raises(NoGPUError):
+                torch.ops.attnjit.single_prefill(q, k, k.clone(), True, "NHD", None, -1, None, "NONE", False)
             assert torch.is_grad_enabled() is start
-        finally:
-            torch.set_grad_enabled(True)
 
 
-def test_the_guard_holds_inside_torch_compile_around_an_op_without_autograd():
+# a toy op like attnjit's: a torch.library op with a fake implementation and no autograd kernel, its body under
+# grad_off (defined once per process: a Library namespace cannot be defined twice)
+_TOY = torch.library.Library("attnjit_grad_test", "DEF")
+_TOY.define("double(Tensor x) -> Tensor")
+
+
+def _toy_body(x):
+    previous = grad_off()
+    try:
+        return x * 2
+    finally:
+        set_grad(previous)
+
+
+_TOY.impl("double", _toy_body, "CPU")
+torch.library.register_fake("attnjit_grad_test::double", lambda x: torch.empty_like(x), lib=_TOY)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_the_guard_holds_inside_torch_compile_around_an_op_without_autograd(fullgraph):
     """The compiled paths call guard() around their torch.ops.attnjit op (which registers no autograd kernel and
-    alone would give only a warning and no gradient). A toy op of the same kind, compiled with aot_eager on the CPU:
-    backward raises; without grad the output is a plain tensor."""
-    lib = torch.library.Library("attnjit_grad_test", "DEF")
-    lib.define("double(Tensor x) -> Tensor")
-
-    def body(x):
-        previous = grad_off()
-        try:
-            return x * 2
-        finally:
-            set_grad(previous)
-
-    lib.impl("double", body, "CPU")
-    torch.library.register_fake("attnjit_grad_test::double", lambda x: torch.empty_like(x), lib=lib)
-
+    alone would give only a warning and no gradient). Compiled with aot_eager on the CPU, fullgraph=True included
+    (the backward's raise is the attnjit::no_backward op, which the compiler traces with its fake implementation):
+    the forward compiles and runs, backward raises; without grad the output is a plain tensor."""
     def fn(x, w):
         h = x @ w
-        return guard("double", torch.ops.attnjit_grad_test.double(h), h)
+        return guard("double", (torch.ops.attnjit_grad_test.double(h), None), h)
 
-    compiled = torch.compile(fn, backend="aot_eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
     x, w = torch.randn(4, 4), torch.randn(4, 4, requires_grad=True)
-    y = compiled(x, w)
-    assert y.requires_grad and torch.equal(y.detach(), (x @ w.detach()) * 2)
-    with pytest.raises(RuntimeError, match="no backward pass"):
+    y, none = compiled(x, w)
+    assert none is None and y.requires_grad and torch.equal(y.detach(), (x @ w.detach()) * 2)
+    with pytest.raises(RuntimeError, match="no backward pass.*double"):
         y.sum().backward()
     assert w.grad is None
     with torch.no_grad():
-        assert not compiled(x, w).requires_grad
+        assert not compiled(x, w)[0].requires_grad
+
+
+def test_a_none_in_a_result_tuple_stays_in_place():
+    q = torch.randn(2, 3, requires_grad=True)
+    out = torch.zeros(2, 3)
+    got = guard("op", (out, None), q)
+    assert got[1] is None and got[0].requires_grad
+    with pytest.raises(RuntimeError, match="no backward pass"):
+        got[0].sum().backward()
+
+
+def test_append_refuses_tokens_that_require_grad():
+    """append_paged_kv_cache writes the cache in place: tokens that require grad are refused (before any check of
+    the rest), under no_grad they pass on to the usual checks."""
+    import attnjit
+
+    key = torch.randn(2, 1, 64, dtype=torch.float16, requires_grad=True)
+    i32 = torch.zeros(2, dtype=torch.int32)
+    cache = torch.zeros(1, 2, 16, 1, 64, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="append_paged_kv_cache writes in place"):
+        attnjit.append_paged_kv_cache(key, key.detach(), i32, i32, cache, i32[:1], i32, i32[:1])
+    with torch.no_grad(), pytest.raises(Exception) as info:
+        attnjit.append_paged_kv_cache(key, key.detach(), i32, i32, cache, i32[:1], i32, i32[:1])
+    assert "writes in place" not in str(info.value)

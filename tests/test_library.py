@@ -16,7 +16,7 @@ from tests.helpers import i32
 from tests.plan_support import decode_args, paged_args, ragged_args, workspace
 
 OPS = ["batch_run", "batch_run_out", "single_prefill", "single_decode", "merge_state", "merge_state_in_place",
-       "merge_states", "append_paged_kv_cache"]
+       "merge_states", "no_backward", "append_paged_kv_cache"]
 
 
 def test_every_op_is_registered_with_its_schema():

@@ -3,7 +3,8 @@
 An op called with grad mode on and an input that requires grad (q of a training step) returns its outputs with a
 grad_fn whose backward raises, so ``loss.backward()`` through attention fails with the reason instead of leaving
 q, k and v without gradients. Under ``torch.no_grad()`` / ``torch.inference_mode()``, or with inputs that do not
-require grad (every serving engine), the outputs are returned as they are: the check is two attribute reads.
+require grad (every serving engine), the outputs are returned as they are: the check reads grad mode and each
+input's requires_grad (inside a (k, v) tuple or a dict of parameters too) and allocates nothing.
 
 Inside a ``torch.ops.attnjit`` op body (ops/library.py) the eager code runs with grad mode off (``grad_off``):
 the dispatcher has already passed autograd there (the ops register none), so the guard stays out of it. The public
@@ -24,49 +25,82 @@ NO_BACKWARD = ("attnjit's attention kernels have no backward pass: a gradient ca
 
 class _NoBackward(torch.autograd.Function):
     """The outputs (detached aliases: no copy) of an op that has no backward, attached to its differentiable inputs
-    so that a backward through them raises NO_BACKWARD."""
+    so that a backward through them raises NO_BACKWARD. The raise is an op of its own (``attnjit::no_backward``,
+    ops/library.py), not a Python ``raise`` here: torch.compile traces this backward with fake tensors when it
+    compiles a graph whose inputs require grad, and ``fullgraph=True`` cannot trace a raise; the op's fake
+    implementation gives a gradient's shape, its real one raises when the backward runs."""
 
     @staticmethod
-    def forward(ctx, op: str | type, n_out: int, *tensors: torch.Tensor):
+    def forward(ctx, op: str, n_out: int, *tensors: torch.Tensor):
         ctx.op = op
+        ctx.n_out = n_out
+        # each input's shape, dtype and device for its gradient's fake shape, in one element (not the input itself:
+        # a KV cache stays the caller's to free)
+        ctx.save_for_backward(*(t.new_empty(()).expand(t.shape) for t in tensors[n_out:]))
         outs = tuple(t.detach() for t in tensors[:n_out])
         return outs if n_out > 1 else outs[0]
 
     @staticmethod
     def backward(ctx, *grads):
-        op = f"{ctx.op.__name__}.run()" if isinstance(ctx.op, type) else ctx.op   # a wrapper class: its run()
-        raise RuntimeError(NO_BACKWARD.format(op=op))
+        return (None, None, *(None for _ in range(ctx.n_out)),
+                *(torch.ops.attnjit.no_backward(grads[0], like, ctx.op) for like in ctx.saved_tensors))
 
 
-def _requiring_grad(inputs: tuple) -> list[torch.Tensor]:
-    """The tensors among ``inputs`` (tensors, or tuples / lists / dicts of them: a (k, v) cache, run()'s variant
-    parameters) that require grad."""
+def _any_requiring_grad(inputs) -> bool:
+    """Whether a tensor among ``inputs`` (tensors, or tuples / lists / dicts of them) requires grad: the hot path's
+    check (grad mode on, nothing requiring grad: every engine that does not turn grad mode off), which allocates
+    nothing. (Written flat for the common inputs, a tensor, None, a float, a (k, v) pair: about 0.6-0.9 us for a paged
+    run()'s five on the CI CPU.)"""
+    for t in inputs:
+        if t is None:
+            continue
+        if isinstance(t, torch.Tensor):
+            if t.requires_grad:
+                return True
+        elif isinstance(t, (tuple, list)):
+            for u in t:   # a (k, v) cache: its tensors here, without another call
+                if isinstance(u, torch.Tensor):
+                    if u.requires_grad:
+                        return True
+                elif u is not None and _any_requiring_grad((u,)):
+                    return True
+        elif isinstance(t, dict) and t and _any_requiring_grad(t.values()):
+            return True
+    return False
+
+
+def _requiring_grad(inputs) -> list[torch.Tensor]:
+    """The tensors among ``inputs`` (as for _any_requiring_grad) that require grad."""
     needs = []
     for t in inputs:
         if isinstance(t, torch.Tensor):
             if t.requires_grad:
                 needs.append(t)
-        elif isinstance(t, (tuple, list, dict)):
-            needs += _requiring_grad(tuple(t.values()) if isinstance(t, dict) else tuple(t))
+        elif isinstance(t, (tuple, list)):
+            needs += _requiring_grad(t)
+        elif isinstance(t, dict):
+            needs += _requiring_grad(t.values())
     return needs
 
 
 def guard(op: str | type, result: Any, *inputs: Any) -> Any:
-    """``result`` (a tensor or a tuple of tensors) as it is, or, when grad mode is on and an input tensor requires
-    grad (q, k, v, a learned sink or any tensor parameter: ``inputs`` may hold tuples and dicts of them), its
-    tensors tied to those inputs by a backward that raises (see the module docstring). ``op``: the op's name, or a
-    wrapper class (named with its run() only if the error is raised). Traceable by torch.compile (the compiled
-    paths call it around their torch.ops.attnjit op, which registers no autograd kernel)."""
+    """``result`` (a tensor or a tuple of tensors, Nones kept in place) as it is, or, when grad mode is on and an
+    input tensor requires grad (q, k, v, a learned sink or any tensor parameter: ``inputs`` may hold tuples and dicts
+    of them), its tensors tied to those inputs by a backward that raises (see the module docstring). ``op``: the
+    op's name, or a wrapper class (named with its run()). Traceable by torch.compile, ``fullgraph=True`` included
+    (the compiled paths call it around their torch.ops.attnjit op, which registers no autograd kernel)."""
     if not torch.is_grad_enabled():
         return result
-    needs = _requiring_grad(inputs)
-    if not needs:
+    if not _any_requiring_grad(inputs):
         return result
+    name = f"{op.__name__}.run()" if isinstance(op, type) else op
     outs = result if isinstance(result, tuple) else (result,)
-    tied = _NoBackward.apply(op, len(outs), *outs, *needs)
+    tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+    tied = _NoBackward.apply(name, len(tensors), *tensors, *_requiring_grad(inputs))
+    tied = list(tied) if len(tensors) > 1 else [tied]
     if not isinstance(result, tuple):
-        return tied
-    return tied if len(outs) > 1 else (tied,)
+        return tied[0]
+    return tuple(tied.pop(0) if isinstance(o, torch.Tensor) else o for o in outs)
 
 
 def refuse_in_place(op: str, *inputs: Any) -> None:

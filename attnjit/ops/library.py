@@ -15,6 +15,9 @@ code, which checks every argument as it always does.
   device, up to 64), so the calls a CUDA graph captures only launch; a shape first seen while a graph is being
   captured is an error that says to run it once outside capture (torch.compile's reduce-overhead mode does).
 
+``no_backward`` is not an op of the API: it is the backward of the outputs that ops/_grad.py ties to inputs requiring
+grad (it raises; its fake implementation lets torch.compile trace that backward).
+
 Defined with torch.library.Library (``define`` + ``impl`` per device) rather than ``custom_op``: the dispatcher adds
 about 1.6 us over a direct call that way, ``custom_op`` about 7.6 us (measured on the CI CPU with a no-op body).
 Run-time variant parameters are not supported through these ops (bind variants at plan() instead).
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _handles
-from ._grad import grad_off, set_grad
+from ._grad import NO_BACKWARD, grad_off, set_grad
 # the merge ops' bodies are the eager functions themselves (no wrapper frame, no import per call: the op's cost over
 # a direct call is the dispatcher's alone, issue 13's "within 2 us")
 from .merge import merge_state_eager, merge_state_in_place_eager, merge_states_eager
@@ -47,6 +50,7 @@ SCHEMAS = {
     "merge_state_in_place": "merge_state_in_place(Tensor(a!) v, Tensor(b!) s, Tensor v_other, Tensor s_other, "
                             "Tensor? mask) -> ()",
     "merge_states": "merge_states(Tensor v, Tensor s) -> (Tensor, Tensor)",
+    "no_backward": "no_backward(Tensor grad, Tensor like, str op) -> Tensor",
     "append_paged_kv_cache": "append_paged_kv_cache(Tensor append_key, Tensor append_value, Tensor batch_indices, "
                              "Tensor positions, Tensor(a!) k_cache, Tensor(b!)? v_cache, Tensor kv_indices, "
                              "Tensor kv_indptr, Tensor kv_last_page_len, str kv_layout, bool check) -> ()",
@@ -118,6 +122,11 @@ def _append(append_key, append_value, batch_indices, positions, k_cache, v_cache
                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout, check=check)
 
 
+def _no_backward(grad, like, op):
+    """The backward of an attnjit op's outputs (ops/_grad.py): raises, as an op so that torch.compile can trace it."""
+    raise RuntimeError(NO_BACKWARD.format(op=op))
+
+
 # --- fake implementations: shapes and dtypes -----------------------------------------------------------------
 
 def _fake_batch_run(handle, q, k, v, want_lse, *scales):
@@ -149,11 +158,16 @@ def _fake_none(*args) -> None:
     return None
 
 
+def _fake_no_backward(grad, like, op):
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
 _IMPLS = {"batch_run": (_batch_run, _fake_batch_run), "batch_run_out": (_batch_run_out, _fake_none),
           "single_prefill": (_single_prefill, _fake_single), "single_decode": (_single_decode, _fake_single),
           "merge_state": (merge_state_eager, _fake_merge_state),
           "merge_state_in_place": (merge_state_in_place_eager, _fake_none),
-          "merge_states": (merge_states_eager, _fake_merge_states), "append_paged_kv_cache": (_append, _fake_none)}
+          "merge_states": (merge_states_eager, _fake_merge_states), "append_paged_kv_cache": (_append, _fake_none),
+          "no_backward": (_no_backward, _fake_no_backward)}
 
 for _name, _schema in SCHEMAS.items():
     LIB.define(_schema)

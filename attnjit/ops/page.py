@@ -9,6 +9,7 @@ from .. import dispatch
 from ..generator import PARAMS
 from ._common import (SPEC_DTYPE, byte_span, check_head_dim, check_layout, check_metadata, check_page_size,
                       check_tensor, check_vectors, first_shared, require_cuda, spec_for, unpack_paged_cache)
+from ._grad import refuse_in_place
 from ..specs import MAX_PAGE_SIZE
 from .planner import INT32_MAX, check_indptr
 
@@ -56,7 +57,9 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
                           positions: torch.Tensor, paged_kv_cache, kv_indices: torch.Tensor, kv_indptr: torch.Tensor,
                           kv_last_page_len: torch.Tensor, kv_layout: str = "NHD", *, check: bool = False) -> None:
     """Write append_key/append_value [nnz, H_kv, D] into the pages of their requests (append_paged_kv_cache_eager
-    describes the rules; inside torch.compile this is torch.ops.attnjit.append_paged_kv_cache)."""
+    describes the rules; inside torch.compile this is torch.ops.attnjit.append_paged_kv_cache). Refuses tokens that
+    require grad while grad mode is on: the cache write would be invisible to autograd."""
+    refuse_in_place("append_paged_kv_cache", append_key, append_value)
     if torch.compiler.is_compiling():
         k_cache, v_cache = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
         torch.ops.attnjit.append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache,

@@ -161,8 +161,8 @@ class Variant:
         if mask_from_kv_start and not (logits_mask and kv_start):
             raise ValueError(f"variant {name!r}: mask_from_kv_start=True says the logits_mask hides exactly the keys "
                              "below kv_start; it needs both hooks")
-        code = re.sub(r"//[^\n]*|/\*.*?\*/", " ", logits_mask or "", flags=re.S)   # (not a comment's words)
-        if mask_from_kv_start and re.search(r"\bqo_head\b", code):
+        if mask_from_kv_start and re.search(r"\bqo_head\b",   # in the code, not in a comment
+                                            re.sub(r"//[^\n]*|/\*.*?\*/", " ", logits_mask, flags=re.S)):
             # kv_start sees kv_head, not qo_head: the query heads of a group share one bound, so a mask that differs
             # between them (a per-head window) is not "exactly the keys below kv_start" and skipping it would be wrong
             raise ValueError(f"variant {name!r}: mask_from_kv_start=True with a logits_mask that reads qo_head: "

@@ -112,7 +112,8 @@ def test_the_guard_holds_inside_torch_compile_around_an_op_without_autograd(full
     the forward compiles and runs, backward raises; without grad the output is a plain tensor."""
     def fn(x, w):
         h = x @ w
-        return guard("double", (torch.ops.attnjit_grad_test.double(h), None), h)
+        # h three times (q, and a (k, v) pair of one tensor): torch.compile takes an autograd.Function's tensor once
+        return guard("double", (torch.ops.attnjit_grad_test.double(h), None), h, (h, h), {"p": w})
 
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend="aot_eager", fullgraph=fullgraph)
@@ -131,6 +132,8 @@ def test_a_none_in_a_result_tuple_stays_in_place():
     out = torch.zeros(2, 3)
     got = guard("op", (out, None), q)
     assert got[1] is None and got[0].requires_grad
+    nothing = (None, None)
+    assert guard("op", nothing, q) is nothing and guard("op", None, q) is None
     with pytest.raises(RuntimeError, match="no backward pass"):
         got[0].sum().backward()
 
@@ -145,6 +148,9 @@ def test_append_refuses_tokens_that_require_grad():
     cache = torch.zeros(1, 2, 16, 1, 64, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="append_paged_kv_cache writes in place"):
         attnjit.append_paged_kv_cache(key, key.detach(), i32, i32, cache, i32[:1], i32, i32[:1])
+    with pytest.raises(RuntimeError, match="append_paged_kv_cache writes in place"):   # the cache itself
+        attnjit.append_paged_kv_cache(key.detach(), key.detach(), i32, i32, cache.clone().requires_grad_(), i32[:1],
+                                      i32, i32[:1])
     with torch.no_grad(), pytest.raises(Exception) as info:
         attnjit.append_paged_kv_cache(key, key.detach(), i32, i32, cache, i32[:1], i32, i32[:1])
     assert "writes in place" not in str(info.value)

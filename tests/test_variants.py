@@ -299,6 +299,8 @@ def test_mask_from_kv_start_is_declared_checked_composed_and_rendered():
               kv_start="return q_pos - 8 * (kv_head + 1);")   # undeclared: the mask runs on every tile
     V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;  // the same for every qo_head",
               kv_start="return q_pos - 8;", mask_from_kv_start=True)   # a comment's words are not code
+    V.Variant("w", logits_mask="/* not per qo_head */ return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;",
+              mask_from_kv_start=True)
     plain = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;")
     declared = V.Variant("w", logits_mask="return kv_pos >= q_pos - 8;", kv_start="return q_pos - 8;",
                          mask_from_kv_start=True)

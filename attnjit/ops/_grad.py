@@ -34,8 +34,8 @@ class _NoBackward(torch.autograd.Function):
     def forward(ctx, op: str, n_out: int, *tensors: torch.Tensor):
         ctx.op = op
         ctx.n_out = n_out
-        # each input's shape, dtype and device for its gradient's fake shape, in one element (not the input itself:
-        # a KV cache stays the caller's to free)
+        # each input's shape, dtype and device for its gradient's fake shape, in one element (not the input itself,
+        # which autograd keeps alive anyway only where it is a leaf, as for any op)
         ctx.save_for_backward(*(t.new_empty(()).expand(t.shape) for t in tensors[n_out:]))
         outs = tuple(t.detach() for t in tensors[:n_out])
         return outs if n_out > 1 else outs[0]
@@ -49,7 +49,7 @@ class _NoBackward(torch.autograd.Function):
 def _any_requiring_grad(inputs) -> bool:
     """Whether a tensor among ``inputs`` (tensors, or tuples / lists / dicts of them) requires grad: the hot path's
     check (grad mode on, nothing requiring grad: every engine that does not turn grad mode off), which allocates
-    nothing. (Written flat for the common inputs, a tensor, None, a float, a (k, v) pair: about 0.6-0.9 us for a paged
+    nothing for tensors, None and (k, v) pairs. (Written flat for the common inputs, a tensor, None, a float, a (k, v) pair: about 0.6-0.9 us for a paged
     run()'s five on the CI CPU.)"""
     for t in inputs:
         if t is None:
@@ -69,18 +69,19 @@ def _any_requiring_grad(inputs) -> bool:
     return False
 
 
-def _requiring_grad(inputs) -> list[torch.Tensor]:
-    """The tensors among ``inputs`` (as for _any_requiring_grad) that require grad."""
-    needs = []
+def _requiring_grad(inputs, found: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The tensors among ``inputs`` (as for _any_requiring_grad) that require grad, each once (k passed as v too:
+    torch.compile refuses an autograd.Function given one tensor twice)."""
+    found = {} if found is None else found
     for t in inputs:
         if isinstance(t, torch.Tensor):
             if t.requires_grad:
-                needs.append(t)
+                found.setdefault(id(t), t)
         elif isinstance(t, (tuple, list)):
-            needs += _requiring_grad(t)
+            _requiring_grad(t, found)
         elif isinstance(t, dict):
-            needs += _requiring_grad(t.values())
-    return needs
+            _requiring_grad(t.values(), found)
+    return list(found.values())
 
 
 def guard(op: str | type, result: Any, *inputs: Any) -> Any:
@@ -96,6 +97,8 @@ def guard(op: str | type, result: Any, *inputs: Any) -> Any:
     name = f"{op.__name__}.run()" if isinstance(op, type) else op
     outs = result if isinstance(result, tuple) else (result,)
     tensors = [o for o in outs if isinstance(o, torch.Tensor)]
+    if not tensors:
+        return result
     tied = _NoBackward.apply(name, len(tensors), *tensors, *_requiring_grad(inputs))
     tied = list(tied) if len(tensors) > 1 else [tied]
     if not isinstance(result, tuple):

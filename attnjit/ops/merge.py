@@ -76,9 +76,9 @@ def _check_pair(names: tuple[str, str, str, str], v_a, s_a, v_b, s_b) -> None:
 def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
                 s_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v_a/v_b: [seq, H, D] (fp16/bf16), s_a/s_b: [seq, H] float32 base-2 lse -> (v [seq, H, D], s [seq, H])."""
-    if torch.compiler.is_compiling():
-        return guard("merge_state", tuple(torch.ops.attnjit.merge_state(v_a, s_a, v_b, s_b)), v_a, s_a, v_b, s_b)
-    return guard("merge_state", merge_state_eager(v_a, s_a, v_b, s_b), v_a, s_a, v_b, s_b)
+    result = tuple(torch.ops.attnjit.merge_state(v_a, s_a, v_b, s_b)) if torch.compiler.is_compiling() \
+        else merge_state_eager(v_a, s_a, v_b, s_b)
+    return guard("merge_state", result, v_a, s_a, v_b, s_b)
 
 
 def merge_state_eager(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +210,8 @@ assert PARAMS["merge_partials"].names == (
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """v: [seq, num_states, H, D], s: [seq, num_states, H] float32 -> (v [seq, H, D], s [seq, H])."""
-    if torch.compiler.is_compiling():
-        return guard("merge_states", tuple(torch.ops.attnjit.merge_states(v, s)), v, s)
-    return guard("merge_states", merge_states_eager(v, s), v, s)
+    result = tuple(torch.ops.attnjit.merge_states(v, s)) if torch.compiler.is_compiling() else merge_states_eager(v, s)
+    return guard("merge_states", result, v, s)
 
 
 def merge_states_eager(v, s) -> tuple[torch.Tensor, torch.Tensor]:

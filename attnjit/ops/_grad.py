@@ -99,11 +99,13 @@ def guard(op: str | type, result: Any, *inputs: Any) -> Any:
     return tuple(next(it) if isinstance(o, torch.Tensor) else o for o in outs)
 
 
-def refuse_in_place(op: str, *inputs: Any) -> None:
+def refuse_in_place(op: str, **inputs: Any) -> None:
     """An in-place op (no output to tie a backward to) refuses inputs that require grad while grad mode is on: its
-    write would be invisible to autograd."""
-    if torch.is_grad_enabled() and _any_requiring_grad(inputs):
-        raise RuntimeError(NO_BACKWARD.format(op=op) + f" ({op} writes in place: its inputs may not require grad)")
+    write would be invisible to autograd. ``inputs`` by argument name, the first that requires grad named."""
+    if torch.is_grad_enabled() and _any_requiring_grad(inputs.values()):
+        name = next(n for n, t in inputs.items() if _any_requiring_grad((t,)))
+        raise RuntimeError(NO_BACKWARD.format(op=op) + f" ({op} writes in place: its inputs may not require grad; "
+                           f"{name} does)")
 
 
 def grad_off() -> bool:

@@ -93,7 +93,7 @@ def merge_state_eager(v_a, s_a, v_b, s_b) -> tuple[torch.Tensor, torch.Tensor]:
 def merge_state_in_place(v: torch.Tensor, s: torch.Tensor, v_other: torch.Tensor, s_other: torch.Tensor,
                          mask: torch.Tensor | None = None) -> None:
     """(v, s) <- merge((v, s), (v_other, s_other)) for rows where mask (bool [seq], default all) is true."""
-    refuse_in_place("merge_state_in_place", v, s, v_other, s_other)
+    refuse_in_place("merge_state_in_place", v=v, s=s, v_other=v_other, s_other=s_other)
     if torch.compiler.is_compiling():
         torch.ops.attnjit.merge_state_in_place(v, s, v_other, s_other, mask)
         return

@@ -59,7 +59,8 @@ def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, 
     """Write append_key/append_value [nnz, H_kv, D] into the pages of their requests (append_paged_kv_cache_eager
     describes the rules; inside torch.compile this is torch.ops.attnjit.append_paged_kv_cache). Refuses tokens that
     require grad while grad mode is on: the cache write would be invisible to autograd."""
-    refuse_in_place("append_paged_kv_cache", append_key, append_value, paged_kv_cache)
+    refuse_in_place("append_paged_kv_cache", append_key=append_key, append_value=append_value,
+                    paged_kv_cache=paged_kv_cache)
     if torch.compiler.is_compiling():
         k_cache, v_cache = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
         torch.ops.attnjit.append_paged_kv_cache(append_key, append_value, batch_indices, positions, k_cache, v_cache,

@@ -18,6 +18,7 @@ Needs nvcc and cuobjdump (``pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import subprocess
@@ -127,9 +128,12 @@ def main() -> None:
     ap.add_argument("--kv", default=None, help="the cache's type when not q's: e4m3 or e5m2")
     ap.add_argument("--tile", default=None, help="an sm90 tile configuration (kv128q1, kv64s3, kv128t8, ...)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--variant", default=None, help="module:attribute, e.g. attnjit.variants:SOFTCAP")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     spec = spec_for(args.kv, args.tile, args.head_dim)
+    if args.variant:
+        spec = dataclasses.replace(spec, variant=args.variant)
     rep = {"spec": spec.short_name(), **analyze(sass_of(spec))}
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))

@@ -190,9 +190,11 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
     cache = torch.randn(16 * KV // PS, 2, PS, H_KV, D, dtype=DT, device=dev)
     out = torch.empty_like(q)
     ms, run_out = torch.ops.attnjit.merge_state, torch.ops.attnjit.batch_run_out
-    # direct: the eager body; torch.ops: the op packet (which resolves the overload per call); .default: the
-    # OpOverload, which is what a compiled graph calls. Interleaved rounds: the differences are a few us.
-    calls = {"merge_state direct": lambda: merge.merge_state_eager(va, sa, vb, sb),
+    # direct: the public call an eager user makes (merge_state, w.run: each with its gradient guard); body: the
+    # eager body alone (what the op runs); torch.ops: the op packet (which resolves the overload per call);
+    # .default: the OpOverload, which is what a compiled graph calls. Interleaved rounds: the differences are a few us.
+    calls = {"merge_state direct": lambda: merge.merge_state(va, sa, vb, sb),
+             "merge_state body": lambda: merge.merge_state_eager(va, sa, vb, sb),
              "merge_state torch.ops": lambda: ms(va, sa, vb, sb),
              "merge_state torch.ops .default": lambda: ms.default(va, sa, vb, sb),
              "decode run direct": lambda: w.run(q, cache, out=out),
@@ -201,6 +203,7 @@ def dispatch_overhead(cuda: bool, dev: str) -> dict:
     res = interleaved(calls, cuda=True, rounds=15, calls=200)
     for what in ("merge_state", "decode run"):
         res[f"{what}: .default - direct"] = round(res[f"{what} torch.ops .default"] - res[f"{what} direct"], 2)
+    res["merge_state: .default - body"] = round(res["merge_state torch.ops .default"] - res["merge_state body"], 2)
     return {"op": "dispatch", **res}
 
 

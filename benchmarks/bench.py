@@ -327,7 +327,8 @@ def _sections(text: str) -> tuple[str, ...]:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", type=_sections, default=None,
-                    help=f"comma-separated sections to run ({', '.join(SECTIONS)}); default: decode, prefill, variants")
+                    help=f"comma-separated sections to run, in that order ({', '.join(SECTIONS)}); default: decode, "
+                         "prefill, variants")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--main-only", action="store_true", help="prefill: only the three main rows")
     ap.add_argument("--fi-skip", default="",
@@ -368,10 +369,8 @@ def main() -> int:
     fp8_prefill_rows: list[dict] = []
     only = args.only or ("decode", "prefill", "variants")
     page_rows: list[dict] = []
-    if "pagesize" in only:
-        pagesize.bench_page_sizes(fi, page_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
-        print(pagesize.table(page_rows), flush=True)
-    if "fp8" in only:
+
+    def fp8_section():
         fp8.bench_fp8(fi, DECODE_ROWS, fp8_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
         print(fp8.table(fp8_rows), flush=True)
         try:
@@ -379,21 +378,34 @@ def main() -> int:
             print(fp8.prefill_table(fp8_prefill_rows), flush=True)
         except Exception as exc:  # noqa: BLE001 (the other sections still run; the error is in the output)
             print(f"# fp8 prefill rows failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-    if "cascade" in only:
-        cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
-        print(cascade.table(cascade_rows), flush=True)
-    if "decode" in only:
-        bench_decode(fi, DECODE_ROWS, decode_rows)
-        print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
-    if "prefill" in only:
+
+    def prefill_section():
         rows = prefill.MAIN + ([] if args.main_only else prefill.EXTRA)
         prefill.bench_rows(fi, rows, prefill_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip,
                            time_many=time_many)
         print(prefill.table(prefill_rows, ceilings["matmul_tflops"]), flush=True)
-    if "variants" in only:
+
+    def variants_section():
         prefill.bench_variants(fi, variant_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi, fi_skip=fi_skip,
                                time_many=time_many)
         bench_variants(fi, variant_rows)
+
+    def pagesize_section():
+        pagesize.bench_page_sizes(fi, page_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(pagesize.table(page_rows), flush=True)
+
+    def cascade_section():
+        cascade.bench_cascade(fi, cascade_rows, time_ms=time_ms, ws=_ws(), ws_fi=ws_fi)
+        print(cascade.table(cascade_rows), flush=True)
+
+    def decode_section():
+        bench_decode(fi, DECODE_ROWS, decode_rows)
+        print(table(decode_rows, ceilings["copy_tbps"]), flush=True)
+
+    sections = {"pagesize": pagesize_section, "fp8": fp8_section, "cascade": cascade_section,
+                "decode": decode_section, "prefill": prefill_section, "variants": variants_section}
+    for name in only:   # in the order given (a call that may be cut short runs what matters most first)
+        sections[name]()
     meta = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "flashinfer": getattr(fi, "__version__", None), "seconds": round(time.time() - t0, 1),
             "date": time.strftime("%Y-%m-%d"), "ceilings": ceilings, "spans": time_ms.spans}

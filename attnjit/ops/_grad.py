@@ -46,35 +46,28 @@ class _NoBackward(torch.autograd.Function):
                 *(torch.ops.attnjit.no_backward(grads[0], like, ctx.op) for like in ctx.saved_tensors))
 
 
-def _any_requiring_grad(inputs) -> bool:
-    """Whether a tensor among ``inputs`` (tensors, or tuples / lists / dicts of them) requires grad, stopping at the
-    first: the hot path's check (grad mode on, nothing requiring grad), with no list built. None (an absent scale)
+def _requiring(inputs):
+    """The tensors among ``inputs`` (tensors, or tuples / lists / dicts of them) that require grad, lazily: the hot
+    path's check (grad mode on, nothing requiring grad) walks them once and builds no list. None (an absent scale)
     is skipped first: it would otherwise cost three isinstance calls."""
     for t in inputs:
         if t is None:
             continue
         if isinstance(t, torch.Tensor):
             if t.requires_grad:
-                return True
+                yield t
         elif isinstance(t, (tuple, list, dict)) and t:   # (an empty dict of parameters: no call)
-            if _any_requiring_grad(t.values() if isinstance(t, dict) else t):
-                return True
-    return False
+            yield from _requiring(t.values() if isinstance(t, dict) else t)
 
 
-def _requiring_grad(inputs, found: dict[int, torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The tensors among ``inputs`` (as for _any_requiring_grad) that require grad, each once (k passed as v too:
-    torch.compile refuses an autograd.Function given one tensor twice)."""
-    found = {} if found is None else found
-    for t in inputs:
-        if isinstance(t, torch.Tensor):
-            if t.requires_grad:
-                found.setdefault(id(t), t)
-        elif isinstance(t, (tuple, list)):
-            _requiring_grad(t, found)
-        elif isinstance(t, dict):
-            _requiring_grad(t.values(), found)
-    return list(found.values())
+def _any_requiring_grad(inputs) -> bool:
+    return next(_requiring(inputs), None) is not None
+
+
+def _requiring_grad(inputs) -> list[torch.Tensor]:
+    """Each tensor of _requiring(inputs) once (k passed as v too: torch.compile refuses an autograd.Function given
+    one tensor twice)."""
+    return list({id(t): t for t in _requiring(inputs)}.values())
 
 
 def guard(op: str | type, result: Any, *inputs: Any) -> Any:

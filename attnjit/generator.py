@@ -300,8 +300,7 @@ def _variant_context(variant: Variant) -> dict:
         hooks = [{"name": h, "snippet": snippet} for h, snippet in part.hooks]
         parts.append({"name": part.name, "params": params, "hooks": hooks, "hook_names": [h for h, _ in part.hooks]})
     return {"parts": parts, "hooks": sorted({h for p in variant.parts for h, _ in p.hooks}),
-            "use_softmax": variant.use_softmax, "mask_from_kv_start": variant.mask_from_kv_start,
-            "poly_exp2_eighths": round(variant.poly_exp2 * 8)}
+            "use_softmax": variant.use_softmax, "mask_from_kv_start": variant.mask_from_kv_start}
 
 
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:

@@ -29,11 +29,6 @@ With ``mask_from_kv_start=True`` a variant declares that its logits_mask hides e
 item's last query row then skips the mask, as tiles below the causal diagonal skip the causal one (without it,
 every tile of a masked variant pays for the mask). kv_start sees kv_head, not qo_head, so a mask that differs
 between the query heads of a group (a per-head window) cannot declare it (a ValueError where the mask reads qo_head).
-With ``poly_exp2=f`` (a multiple of 1/8 in [0, 1]) the sm90 family computes that fraction of the softmax's
-exponentials with a polynomial on the FMA pipe instead of the special-function unit (MUFU, 16 results a clock an SM).
-For a logits_transform that already spends a MUFU op a logit (soft-cap's tanh) two MUFU ops a logit take as long as
-the tensor cores' Q K^T and P V for d128; moving part of the exponentials off MUFU lets them hide again. The
-polynomial's relative error is 7.5e-5 (P is rounded to bf16/fp16, 2^-9 / 2^-11, after it). The fa2 family ignores it.
   sink()                 -> float  an attention sink: a logit (on the scale of sm_scale * q.k) that joins each row's
                                    softmax denominator only, as a key whose value is the zero vector, so
                                    o = sum_j e^{s_j} v_j / (sum_j e^{s_j} + e^{sink}) and lse = log2(sum_j e^{s_j} +
@@ -123,18 +118,16 @@ class Variant:
     """One attention variant (see the module docstring). Immutable; equal variants have equal ``digest``s.
 
     Attributes: name; params, ((name, float | int | TensorParam), ...); hooks, ((hook, snippet), ...);
-    use_softmax; mask_from_kv_start (the mask is exactly kv_pos >= kv_start: mask-free tiles skip it); poly_exp2 (the
-    fraction of the softmax's exponentials the sm90 family computes on the FMA pipe); parts, the variants a
-    composition applies in order (a plain variant's parts are itself).
+    use_softmax; mask_from_kv_start (the mask is exactly kv_pos >= kv_start: mask-free tiles skip it); parts, the
+    variants a composition applies in order (a plain variant's parts are itself).
     """
 
-    __slots__ = ("name", "params", "hooks", "use_softmax", "mask_from_kv_start", "poly_exp2", "parts", "_digest")
+    __slots__ = ("name", "params", "hooks", "use_softmax", "mask_from_kv_start", "parts", "_digest")
 
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
                  output_transform: str | None = None, kv_start: str | None = None, key_transform: str | None = None,
-                 sink: str | None = None, use_softmax: bool = True, mask_from_kv_start: bool = False,
-                 poly_exp2: float = 0.0):
+                 sink: str | None = None, use_softmax: bool = True, mask_from_kv_start: bool = False):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
         declared = {}
@@ -176,18 +169,11 @@ class Variant:
                              "kv_start has no qo_head (the query heads of a KV head share its bound), so a per-head "
                              "mask cannot be declared by it; drop mask_from_kv_start (the mask then runs on every "
                              "tile)")
-        if (isinstance(poly_exp2, bool) or not isinstance(poly_exp2, (int, float)) or not 0 <= poly_exp2 <= 1
-                or poly_exp2 * 8 != int(poly_exp2 * 8)):
-            raise ValueError(f"variant {name!r}: poly_exp2 is the fraction of the exponentials computed by a "
-                             f"polynomial, a multiple of 1/8 in [0, 1] (0.25, 0.5, ...), got {poly_exp2!r}")
-        if poly_exp2 and not use_softmax:
-            raise ValueError(f"variant {name!r}: poly_exp2 replaces softmax exponentials; use_softmax=False has none")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "params", tuple(declared.items()))
         object.__setattr__(self, "hooks", tuple(hooks))
         object.__setattr__(self, "use_softmax", use_softmax)
         object.__setattr__(self, "mask_from_kv_start", mask_from_kv_start)
-        object.__setattr__(self, "poly_exp2", float(poly_exp2))
         object.__setattr__(self, "parts", (self,))
 
     # --- identity ------------------------------------------------------------------------------------------
@@ -201,8 +187,6 @@ class Variant:
              else []}
         if self.mask_from_kv_start:   # only where set: every other variant keeps its digest (and cache keys)
             d["mask_from_kv_start"] = True
-        if self.poly_exp2:
-            d["poly_exp2"] = self.poly_exp2
         return d
 
     @property
@@ -313,7 +297,6 @@ def _compose(variants: tuple[Variant, ...]) -> Variant:
     # the and-ed mask is exactly kv_pos >= the largest kv_start when each masking part's is its own kv_start bound
     masking = [p for p in parts if p.hook("logits_mask")]
     object.__setattr__(v, "mask_from_kv_start", bool(masking) and all(p.mask_from_kv_start for p in masking))
-    object.__setattr__(v, "poly_exp2", max(p.poly_exp2 for p in parts))   # the MUFU-heaviest part decides
     object.__setattr__(v, "parts", tuple(parts))
     return v
 
@@ -338,10 +321,8 @@ def resolve(text: str) -> Variant:
 
 # --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
 
-# tanh is a MUFU op a logit besides the softmax's exponential: a quarter of those run on the FMA pipe (poly_exp2)
 SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
-                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(qk * (sm_scale / logits_soft_cap));",
-                  poly_exp2=0.25)
+                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(qk * (sm_scale / logits_soft_cap));")
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",

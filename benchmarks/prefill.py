@@ -183,18 +183,11 @@ def _sdpa(row: Row, r: dict) -> dict:
 # --- variants on the default family ------------------------------------------------------------------------------
 
 USER_BIAS = attnjit.Variant("user_bias", params={"bias": float}, logits_transform="return logit + bias;")
-# soft-cap with none and with half of its exponentials on the FMA pipe (the built-in moves a quarter): the A/B rows
-SOFTCAP_MUFU = attnjit.Variant("softcap_mufu", params={"logits_soft_cap": float},
-                               logits_transform=attnjit.variants.SOFTCAP.hook("logits_transform"), poly_exp2=0.0)
-SOFTCAP_HALF = attnjit.Variant("softcap_half", params={"logits_soft_cap": float},
-                               logits_transform=attnjit.variants.SOFTCAP.hook("logits_transform"), poly_exp2=0.5)
 # (feature, plan() arguments, run() arguments, FlashInfer plan() arguments or None, wrapper variant)
 VARIANTS = [("default", {}, {}, {}, None), ("soft-cap 30", {"logits_soft_cap": 30.0}, {}, {"logits_soft_cap": 30.0}, None),
             ("window 1024", {"window_left": 1024}, {}, {"window_left": 1024}, None),
             ("ALiBi", {"pos_encoding_mode": "ALIBI"}, {}, None, None),
             ("user variant (logit + bias)", {}, {"bias": 0.5}, None, USER_BIAS),
-            ("soft-cap 30, all exp2 on MUFU", {}, {"logits_soft_cap": 30.0}, None, SOFTCAP_MUFU),
-            ("soft-cap 30, half exp2 on FMA", {}, {"logits_soft_cap": 30.0}, None, SOFTCAP_HALF),
             ("default (again: drift)", {}, {}, {}, None)]
 
 

@@ -263,9 +263,6 @@ GAINS = Variant("gains", params={"q_gain": float, "o_gain": float},
 # request's positions, padding rows included)
 POS_PROBE = Variant("pos_probe", params={"seen": TensorParam("int32", per="request")},
                     logits_mask="atomicMax(const_cast<int*>(seen) + batch_idx, q_pos);\nreturn true;")
-# every softmax exponential by the FMA-pipe polynomial (attnjit/common.cuh, poly_exp2), beside a custom mask that hides
-# whole rows: the masked keys' exact 0, and a row with no visible key (o = 0, lse -inf)
-POLY_ALL = Variant("poly_all", logits_transform="return logit;", poly_exp2=1.0)
 # (op, family) the probe runs on
 POS_PROBE_RUNS = (("prefill", "sm90"), ("prefill", "fa2"), ("decode", "fa2"))
 
@@ -275,7 +272,7 @@ class VariantCase:
     name: str
     kind: str                   # paged | ragged | decode
     feature: str                # softcap | window | alibi | custom_mask | sigmoid | user_sigmoid | head_scale |
-                                # scaled_softcap | gains | poly_mask (POLY_ALL and a custom mask hiding whole rows)
+                                # scaled_softcap | gains
     causal: bool = True
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
@@ -284,19 +281,14 @@ class VariantCase:
     @property
     def variant(self):
         return {"sigmoid": builtin.SIGMOID, "user_sigmoid": USER_SIGMOID, "head_scale": HEAD_SCALE,
-                "scaled_softcap": HEAD_SCALE, "gains": GAINS, "poly_mask": POLY_ALL}.get(self.feature)
+                "scaled_softcap": HEAD_SCALE, "gains": GAINS}.get(self.feature)
 
     @property
     def builtin_variant(self):
         """The variant plan() composes from FlashInfer's arguments for this feature."""
         return {"softcap": builtin.SOFTCAP, "window": builtin.SLIDING_WINDOW, "alibi": builtin.ALIBI,
-                "custom_mask": builtin.CUSTOM_MASK, "poly_mask": builtin.compose(POLY_ALL, builtin.CUSTOM_MASK),
+                "custom_mask": builtin.CUSTOM_MASK,
                 "scaled_softcap": builtin.compose(HEAD_SCALE, builtin.SOFTCAP)}.get(self.feature) or self.variant
-
-    @property
-    def masked(self) -> bool:
-        """A custom mask (plan()'s custom_mask), not causal."""
-        return self.feature in ("custom_mask", "poly_mask")
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -304,7 +296,7 @@ class VariantCase:
 
     def spec(self, family: str = "fa2") -> AttentionSpec:
         base = replace(_P if self.kind == "paged" else _R if self.kind == "ragged" else _D, dtype=self.dtype,
-                       causal=self.causal and not self.masked and self.kind != "decode", kv=self.kv)
+                       causal=self.causal and self.feature != "custom_mask" and self.kind != "decode", kv=self.kv)
         return base.spec(family).replace(variant=self.builtin_variant)
 
 
@@ -318,9 +310,6 @@ VARIANTS = [
     VariantCase("custom_mask-paged", "paged", "custom_mask", False),
     VariantCase("custom_mask-paged-split", "paged", "custom_mask", False, "force"),
     VariantCase("custom_mask-ragged", "ragged", "custom_mask", False),
-    VariantCase("poly_mask-paged", "paged", "poly_mask", False),
-    VariantCase("poly_mask-paged-split", "paged", "poly_mask", False, "force"),
-    VariantCase("poly_mask-ragged", "ragged", "poly_mask", False),
     VariantCase("softcap-decode-fp16-split", "decode", "softcap", False, "force", torch.float16),
     VariantCase("window-decode-split", "decode", "window", False, "force"),
     # a user logits transform before the soft-cap: the soft-cap, second in the chain, sees its result (not q.k)

@@ -43,7 +43,7 @@ def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: t
     if f == "alibi":
         slopes = alibi_slopes_independent(H_Q).to(DEV)
         return Hooks(logits=lambda l, p: l + slopes[:, None, None] * (p.kv_pos[None, :] - p.q_pos[:, None])[None])
-    if f in ("custom_mask", "poly_mask"):
+    if f == "custom_mask":
         return Hooks(mask=lambda p: masks[p.batch_idx][None])
     if f in ("sigmoid", "user_sigmoid"):
         return Hooks(logits=lambda l, p: torch.sigmoid(l * SIG_SCALE + SIG_BIAS), use_softmax=False)
@@ -66,8 +66,7 @@ def run_params(case: VariantCase, head_scale: torch.Tensor | None) -> dict:
 def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
     return {"softcap": dict(logits_soft_cap=CAP), "scaled_softcap": dict(logits_soft_cap=CAP),
             "window": dict(window_left=WINDOW),
-            "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat),
-            "poly_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
+            "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
 
 
 @pytest.mark.parametrize("case,family", VARIANT_MATRIX, ids=[f"{c.name}-{f}" for c, f in VARIANT_MATRIX])
@@ -91,11 +90,8 @@ def check_variant(case: VariantCase, family: str, workspace, tile: str | None = 
     qo_lens = (1,) * len(DEC_MED) if case.kind == "decode" else MIXED_QO
     kv_lens = DEC_MED if case.kind == "decode" else MIXED_KV
     masks = mask_flat = None
-    if case.masked:
+    if case.feature == "custom_mask":
         masks = [torch.rand(q, k, generator=gen) < 0.6 for q, k in zip(qo_lens, kv_lens)]
-        if case.feature == "poly_mask":   # every third query row sees no key
-            for m in masks:
-                m[::3] = False
         mask_flat = torch.cat([m.reshape(-1) for m in masks]).to(DEV)
         masks = [m.to(DEV) for m in masks]
     scaled = case.feature in ("head_scale", "scaled_softcap")
@@ -136,7 +132,7 @@ def check_variant(case: VariantCase, family: str, workspace, tile: str | None = 
         out = poisoned(q.shape, dtype, DEV)
         lse = poisoned(q.shape[:2], torch.float32, DEV) if hooks.use_softmax else None
         w.run(q, cache, out=out, lse=lse, **params, **scales)
-        causal = case.causal and case.kind != "decode" and not case.masked
+        causal = case.causal and case.kind != "decode" and case.feature != "custom_mask"
         ref_o, ref_lse = reference.batch_paged(q, cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                                page_size=16, causal=causal, hooks=hooks, **scales)
     torch.cuda.synchronize()

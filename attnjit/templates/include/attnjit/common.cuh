@@ -70,21 +70,6 @@ __device__ __forceinline__ float fast_exp2(float x) {  // 2^x; exact 0 for -inf
   return y;
 }
 
-// 2^x on the FMA pipe (no MUFU op): a variant whose logits_transform already spends a MUFU op a logit (soft-cap's
-// tanh) computes part of its exponentials here, so that MUFU work stays under the tensor cores'. x = n + f, n the
-// nearest integer (the 1.5 * 2^23 add rounds), 2^f by a degree-3 polynomial on [-1/2, 1/2] (relative error 7.5e-5,
-// below the 2^-9 of the bf16 P it becomes), 2^n built in the exponent field. Exact 0 for x <= -127 and -inf (n = -127
-// gives the bits 0), as ex2.approx.ftz; x <= 127.
-__device__ __forceinline__ float poly_exp2(float x) {
-  x = fmaxf(x, -127.f);
-  const float big = x + 12582912.f;  // n sits in the low mantissa bits
-  const float f = x - (big - 12582912.f);
-  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.2426111400f), f, 0.6932609677f), f, 0.9999280572f);
-  // big's bits are 0x4B400000 + n; shifted by 23 the constant part leaves the word, and 127 << 23 makes it 2^n
-  const unsigned e = (__float_as_uint(big) << 23) + (127u << 23);
-  return p * __uint_as_float(e);
-}
-
 __device__ __forceinline__ float fast_rcp(float x) {  // 1/x to about 1 ulp (no IEEE slow path)
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -163,11 +163,7 @@ struct Consumer {
         for (int j = 0; j < NN / 8; ++j)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float y = fmaf(s[4 * j + 2 * r + e], sc, -m_safe);
-            // POLY_EXP2_EIGHTHS / 8 of the 8-column blocks, spread evenly, on the FMA pipe (j is unrolled: no branch)
-            constexpr int E8 = V::POLY_EXP2_EIGHTHS;
-            const bool poly = E8 > 0 && ((j + 1) * E8) / 8 > (j * E8) / 8;
-            const float x = poly ? poly_exp2(y) : fast_exp2(y);
+            const float x = fast_exp2(fmaf(s[4 * j + 2 * r + e], sc, -m_safe));
             s[4 * j + 2 * r + e] = x;
             sum += x;
           }

@@ -299,8 +299,12 @@ def _variant_context(variant: Variant) -> dict:
                 params.append({"name": name, "ctype": ctype, "init": f"static_cast<{ctype}>({field_})"})
         hooks = [{"name": h, "snippet": snippet} for h, snippet in part.hooks]
         parts.append({"name": part.name, "params": params, "hooks": hooks, "hook_names": [h for h, _ in part.hooks]})
+    transforms = [p for p in variant.parts if p.hook("logits_transform")]
+    # the part whose logits_scale the softmax applies: the chain's last transform, where it declares one
+    scaled = transforms[-1].name if transforms and transforms[-1].hook("logits_scale") else None
     return {"parts": parts, "hooks": sorted({h for p in variant.parts for h, _ in p.hooks}),
-            "use_softmax": variant.use_softmax, "mask_from_kv_start": variant.mask_from_kv_start}
+            "use_softmax": variant.use_softmax, "mask_from_kv_start": variant.mask_from_kv_start,
+            "scaled_transform": scaled}
 
 
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:

@@ -21,6 +21,12 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
                                    a logit where the int conversion would cost a quarter-rate I2F each; in a
                                    composed variant a later part's logit is its predecessor's result, and its
                                    ``qk`` that result too, with ``sm_scale`` 1
+  logits_scale()         -> float  optional, with logits_transform: a constant (> 0, from the parameters) that the
+                                   transform's result is to be multiplied by, left to the softmax, which folds it
+                                   into its own scale (soft-cap: cap * tanh(x) becomes tanh(x) with scale cap; one
+                                   multiply a logit less). Any other value than a positive finite float gives NaN
+                                   outputs. In a composed variant only the last transform's scale is folded; an
+                                   earlier part's is multiplied in before the next part sees the logit
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
@@ -58,19 +64,21 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-HOOKS = ("query_transform", "key_transform", "logits_transform", "logits_mask", "output_transform", "kv_start", "sink")
+HOOKS = ("query_transform", "key_transform", "logits_transform", "logits_scale", "logits_mask", "output_transform",
+         "kv_start", "sink")
 _POSITIONS = ("q_pos", "kv_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head")
 HOOK_VARIABLES: dict[str, tuple[str, ...]] = {
     "query_transform": ("q", "q_pair", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "key_transform": ("k", "k_pair", "dim", "kv_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
     "logits_transform": ("logit", "qk", "sm_scale", "q_pos", "kv_pos", "rel_pos") + _POSITIONS[2:],
+    "logits_scale": (),
     "logits_mask": _POSITIONS,
     "output_transform": ("o", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "kv_start": ("q_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
     "sink": ("q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
 }
 HOOK_RETURNS = {"query_transform": "float", "key_transform": "float", "logits_transform": "float",
-                "logits_mask": "bool", "output_transform": "float", "kv_start": "int", "sink": "float"}
+                "logits_scale": "float", "logits_mask": "bool", "output_transform": "float", "kv_start": "int", "sink": "float"}
 _RESERVED = set(v for vs in HOOK_VARIABLES.values() for v in vs) | {"p", "params"}
 
 # tensor parameters: element type, and what one value is per (so run() can check the length)
@@ -127,7 +135,8 @@ class Variant:
     def __init__(self, name: str, *, params: dict[str, Any] | None = None, query_transform: str | None = None,
                  logits_transform: str | None = None, logits_mask: str | None = None,
                  output_transform: str | None = None, kv_start: str | None = None, key_transform: str | None = None,
-                 sink: str | None = None, use_softmax: bool = True, mask_from_kv_start: bool = False):
+                 sink: str | None = None, use_softmax: bool = True, mask_from_kv_start: bool = False,
+                 logits_scale: str | None = None):
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"Variant name {name!r} must be an identifier (letters, digits, _)")
         declared = {}
@@ -140,7 +149,8 @@ class Variant:
             declared[pname] = _param_type(pname, kind, name)
         hooks = []
         for hook, snippet in (("query_transform", query_transform), ("key_transform", key_transform),
-                              ("logits_transform", logits_transform), ("logits_mask", logits_mask),
+                              ("logits_transform", logits_transform), ("logits_scale", logits_scale),
+                              ("logits_mask", logits_mask),
                               ("output_transform", output_transform), ("kv_start", kv_start), ("sink", sink)):
             if snippet is None:
                 continue
@@ -154,6 +164,9 @@ class Variant:
         if not use_softmax and not any(h == "logits_transform" for h, _ in hooks):
             raise ValueError(f"variant {name!r}: use_softmax=False needs a logits_transform that returns each key's "
                              "weight (e.g. a sigmoid)")
+        if logits_scale is not None and (logits_transform is None or not use_softmax):
+            raise ValueError(f"variant {name!r}: logits_scale is the constant the softmax multiplies this variant's "
+                             "logits_transform result by; it needs a logits_transform and use_softmax=True")
         if not use_softmax and any(h == "sink" for h, _ in hooks):
             raise ValueError(f"variant {name!r}: a sink joins the softmax denominator; use_softmax=False has none")
         if not isinstance(mask_from_kv_start, bool):
@@ -321,8 +334,11 @@ def resolve(text: str) -> Variant:
 
 # --- built-ins (FlashInfer's arguments map onto these) --------------------------------------------------------
 
+# cap * tanh(logit / cap), with the factor cap left to the softmax's scale (logits_scale: one multiply a logit less);
+# |cap| gives the same function (tanh is odd) and keeps that scale positive for a negative cap
 SOFTCAP = Variant("softcap", params={"logits_soft_cap": float},
-                  logits_transform="return logits_soft_cap * attnjit::fast_tanh(qk * (sm_scale / logits_soft_cap));")
+                  logits_transform="return attnjit::fast_tanh(qk * (sm_scale / fabsf(logits_soft_cap)));",
+                  logits_scale="return fabsf(logits_soft_cap);")
 
 SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",

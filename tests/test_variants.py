@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -57,6 +58,9 @@ def test_declaring_variants_does_not_change_default_keys():
     (dict(logits_transform=""), TypeError, r"logits_transform must be a string of CUDA code"),
     (dict(logits_mask=3), TypeError, r"logits_mask must be a string of CUDA code"),
     (dict(use_softmax=False), ValueError, r"use_softmax=False needs a logits_transform"),
+    (dict(logits_scale="return 2.f;"), ValueError, r"logits_scale .* needs a logits_transform and use_softmax=True"),
+    (dict(logits_transform="return logit;", logits_scale="return 2.f;", use_softmax=False), ValueError,
+     r"logits_scale .* needs a logits_transform and use_softmax=True"),
 ])
 def test_bad_declarations_name_the_variant_and_the_problem(kwargs, exc, pattern):
     kwargs = dict(kwargs)
@@ -149,7 +153,7 @@ def test_hook_signatures_in_the_template_match_the_documented_variables():
     for hook, names in V.HOOK_VARIABLES.items():
         sig = template.split(f'"{hook}": (')[1].split(")")[0]
         args = sig.split('"')[3]
-        assert [a.split()[-1] for a in args.split(",")] == list(names), hook
+        assert [a.split()[-1] for a in args.split(",") if a.strip()] == list(names), hook
 
 
 # --- real compiles -----------------------------------------------------------------------------------------------
@@ -326,3 +330,47 @@ def test_sm90_sliding_window_compiles_without_spills(tmp_path):
     log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert_no_spills(log, sass, "the sm90 sliding-window kernel")
     assert "HGMMA" in sass
+
+
+# --- logits_scale: a transform's constant factor folded into the softmax's scale ----------------------------------
+
+def _variant_struct(variant) -> str:
+    src = render.__wrapped__(prefill(variant)).source
+    return src[src.index("struct Variant {"):].split("\n};", 1)[0]
+
+
+def test_logits_scale_is_folded_only_for_the_last_transform_of_a_chain():
+    """The softmax applies the last logits transform's logits_scale (HAS_LOGITS_SCALE, logits_scale() NaN unless
+    positive); an earlier part's factor is multiplied in before the next part sees the logit; no scale, no flag."""
+    alone = _variant_struct(V.SOFTCAP)
+    assert "HAS_LOGITS_SCALE = true" in alone and "softcap_.logits_scale()" in alone
+    assert "__int_as_float(0x7fffffff)" in alone          # the NaN for a scale that is not positive and finite
+    first = _variant_struct(V.compose(V.SOFTCAP, V.ALIBI))
+    assert "HAS_LOGITS_SCALE = false" in first
+    chain = first[first.index("logits_transform("):]
+    assert chain.index("softcap_.logits_transform") < chain.index("logit *= softcap_.logits_scale();") \
+        < chain.index("alibi_.logits_transform")
+    head = attnjit.Variant("hs", params={"g": float}, logits_transform="return logit * g;")
+    last = _variant_struct(V.compose(head, V.SOFTCAP))
+    assert "HAS_LOGITS_SCALE = true" in last and "logit *=" not in last
+    assert "HAS_LOGITS_SCALE = false" in _variant_struct(V.ALIBI)
+
+
+def test_softcap_leaves_its_cap_to_the_softmax():
+    """cap * tanh(logit / cap) with the factor cap in the softmax's scale, |cap| both times (tanh is odd: the same
+    function for a negative cap, and a positive scale)."""
+    assert V.SOFTCAP.hook("logits_scale") == "return fabsf(logits_soft_cap);"
+    assert "logits_soft_cap *" not in V.SOFTCAP.hook("logits_transform")
+    assert "fabsf(logits_soft_cap)" in V.SOFTCAP.hook("logits_transform")
+
+
+@pytest.mark.nvcc
+def test_sm90_softcap_loop_costs_a_multiply_and_a_tanh_a_logit():
+    """With the cap folded into the softmax's scale the soft-cap adds to the default loop one FMUL (q.k times
+    sm_scale / cap) and one MUFU (tanh) for each of a consumer thread's 64 logits, no more."""
+    from benchmarks import sm90_sass as ss
+
+    base = ss.analyze(ss.sass_of(ss.spec_for()))["loop"]["opcodes"]
+    cap = ss.analyze(ss.sass_of(dataclasses.replace(ss.spec_for(), variant=V.SOFTCAP)))["loop"]["opcodes"]
+    assert cap["MUFU"] - base["MUFU"] == 64, (base, cap)
+    assert cap["FMUL"] - base["FMUL"] == 64, (base, cap)

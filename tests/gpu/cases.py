@@ -257,6 +257,9 @@ USER_SIGMOID = Variant("user_sigmoid", params={"scale": float, "bias": float}, u
                        logits_transform="return 1.f / (1.f + expf(-(logit * scale + bias)));")
 HEAD_SCALE = Variant("head_scale", params={"head_scale": TensorParam("float32", per="qo_head")},
                      logits_transform="return logit * head_scale[qo_head];")
+# the softmax folds a transform's constant factor into its own scale (logits_scale): the logits are logit * gain
+USER_SCALED = Variant("user_scaled", params={"logit_gain": float}, logits_transform="return logit;",
+                      logits_scale="return logit_gain;")
 GAINS = Variant("gains", params={"q_gain": float, "o_gain": float},
                 query_transform="return q * q_gain;", output_transform="return o * o_gain;")
 # records the largest q_pos its mask hook sees per request (tests/gpu/test_variants.py: hooks see only the
@@ -272,7 +275,7 @@ class VariantCase:
     name: str
     kind: str                   # paged | ragged | decode
     feature: str                # softcap | window | alibi | custom_mask | sigmoid | user_sigmoid | head_scale |
-                                # scaled_softcap | gains
+                                # scaled_softcap | gains | user_scaled | softcap_alibi
     causal: bool = True
     split: str = "auto"
     dtype: torch.dtype = torch.bfloat16
@@ -281,14 +284,15 @@ class VariantCase:
     @property
     def variant(self):
         return {"sigmoid": builtin.SIGMOID, "user_sigmoid": USER_SIGMOID, "head_scale": HEAD_SCALE,
-                "scaled_softcap": HEAD_SCALE, "gains": GAINS}.get(self.feature)
+                "scaled_softcap": HEAD_SCALE, "gains": GAINS, "user_scaled": USER_SCALED}.get(self.feature)
 
     @property
     def builtin_variant(self):
         """The variant plan() composes from FlashInfer's arguments for this feature."""
         return {"softcap": builtin.SOFTCAP, "window": builtin.SLIDING_WINDOW, "alibi": builtin.ALIBI,
                 "custom_mask": builtin.CUSTOM_MASK,
-                "scaled_softcap": builtin.compose(HEAD_SCALE, builtin.SOFTCAP)}.get(self.feature) or self.variant
+                "scaled_softcap": builtin.compose(HEAD_SCALE, builtin.SOFTCAP),
+                "softcap_alibi": builtin.compose(builtin.SOFTCAP, builtin.ALIBI)}.get(self.feature) or self.variant
 
     @property
     def families(self) -> tuple[str, ...]:
@@ -315,6 +319,12 @@ VARIANTS = [
     # a user logits transform before the soft-cap: the soft-cap, second in the chain, sees its result (not q.k)
     VariantCase("scaled_softcap-paged", "paged", "scaled_softcap"),
     VariantCase("scaled_softcap-decode", "decode", "scaled_softcap", False),
+    # a transform's constant factor left to the softmax (logits_scale): alone, and before a later part of the chain
+    # (the soft-cap's cap multiplied in before ALiBi adds its bias)
+    VariantCase("user_scaled-paged", "paged", "user_scaled"),
+    VariantCase("user_scaled-decode-split", "decode", "user_scaled", False, "force"),
+    VariantCase("softcap_alibi-paged", "paged", "softcap_alibi"),
+    VariantCase("softcap_alibi-decode", "decode", "softcap_alibi", False),
     # over an fp8 cache: each hook where the fp16 mma meets it (logits transform, query and output transforms, the
     # position-dependent bias, no softmax, masks)
     VariantCase("softcap-decode-fp8-e4m3", "decode", "softcap", False, kv="e4m3"),

@@ -21,7 +21,7 @@ from .cases import (BACKEND, DEC_MED, MIXED_KV, MIXED_QO, POS_PROBE, POS_PROBE_R
 
 DEV = "cuda"
 H_Q, H_KV, D = 32, 8, 128
-CAP, WINDOW, SIG_SCALE, SIG_BIAS, Q_GAIN, O_GAIN = 2.0, 37, 0.7, -1.5, 1.3, 0.5
+CAP, WINDOW, SIG_SCALE, SIG_BIAS, Q_GAIN, O_GAIN, LOGIT_GAIN = 2.0, 37, 0.7, -1.5, 1.3, 0.5, 1.6
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,12 @@ def hooks_for(case: VariantCase, masks: list[torch.Tensor] | None, head_scale: t
         return Hooks(logits=lambda l, p: l * head_scale.double()[:, None, None])
     if f == "scaled_softcap":
         return Hooks(logits=lambda l, p: CAP * torch.tanh(l * head_scale.double()[:, None, None] / CAP))
+    if f == "user_scaled":
+        return Hooks(logits=lambda l, p: l * LOGIT_GAIN)
+    if f == "softcap_alibi":
+        slopes = alibi_slopes_independent(H_Q).to(DEV)
+        return Hooks(logits=lambda l, p: CAP * torch.tanh(l / CAP)
+                     + slopes[:, None, None] * (p.kv_pos[None, :] - p.q_pos[:, None])[None])
     if f == "gains":  # the transformed query is stored in the query's dtype (documented), as the kernel does
         return Hooks(query=lambda q, p: (q * Q_GAIN).to(case.dtype).double(), output=lambda o, p: o * O_GAIN)
     raise AssertionError(f)
@@ -60,13 +66,15 @@ def run_params(case: VariantCase, head_scale: torch.Tensor | None) -> dict:
     return {"sigmoid": dict(sigmoid_scale=SIG_SCALE, sigmoid_bias=SIG_BIAS),
             "user_sigmoid": dict(scale=SIG_SCALE, bias=SIG_BIAS),
             "head_scale": dict(head_scale=head_scale), "scaled_softcap": dict(head_scale=head_scale),
-            "gains": dict(q_gain=Q_GAIN, o_gain=O_GAIN)}.get(case.feature, {})
+            "gains": dict(q_gain=Q_GAIN, o_gain=O_GAIN), "user_scaled": dict(logit_gain=LOGIT_GAIN)}.get(case.feature,
+                                                                                                        {})
 
 
 def plan_args(case: VariantCase, mask_flat: torch.Tensor | None) -> dict:
     return {"softcap": dict(logits_soft_cap=CAP), "scaled_softcap": dict(logits_soft_cap=CAP),
             "window": dict(window_left=WINDOW),
-            "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat)}.get(case.feature, {})
+            "alibi": dict(pos_encoding_mode="ALIBI"), "custom_mask": dict(custom_mask=mask_flat),
+            "softcap_alibi": dict(logits_soft_cap=CAP, pos_encoding_mode="ALIBI")}.get(case.feature, {})
 
 
 @pytest.mark.parametrize("case,family", VARIANT_MATRIX, ids=[f"{c.name}-{f}" for c, f in VARIANT_MATRIX])
@@ -163,6 +171,27 @@ def test_missing_variant_parameter_is_a_type_error_naming_variant_and_parameter(
     ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
                                    page_size=16, causal=True)
     assert_close(out, ref, torch.bfloat16)  # a scale of one is plain attention
+
+
+@pytest.mark.parametrize("family", ["fa2", "sm90"])
+def test_a_logits_scale_that_is_not_positive_gives_nan_not_a_wrong_softmax(workspace, family):
+    """The softmax folds logits_scale into its scale and takes each row's max before scaling, which holds only for a
+    positive factor: a negative, zero, infinite or NaN one makes every output NaN (documented), never a quietly
+    wrong row; a positive one is the reference's."""
+    from .cases import USER_SCALED
+
+    b = make_paged((3, 1), (40, 70), page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                   dtype=torch.bfloat16, device=DEV, seed=11)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(workspace, variant=USER_SCALED, backend=BACKEND[family])
+    w.plan(*b.tensors(DEV), H_Q, H_KV, D, 16, causal=True, q_data_type=torch.bfloat16)
+    assert w.last_plan["family"] == family
+    for gain in (-0.5, 0.0, float("inf"), float("nan")):
+        out = w.run(b.q, b.cache, logit_gain=gain)
+        assert torch.isnan(out).all(), (gain, out.isnan().float().mean().item())
+    out = w.run(b.q, b.cache, logit_gain=LOGIT_GAIN)
+    ref, _ = reference.batch_paged(b.q, b.cache, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len,
+                                   page_size=16, causal=True, hooks=Hooks(logits=lambda l, p: l * LOGIT_GAIN))
+    assert_close(out, ref, torch.bfloat16)
 
 
 def test_single_prefill_with_a_variant():

@@ -14,7 +14,7 @@ namespace attnjit {
 struct NoVariant {
   static constexpr bool HAS_QUERY_TRANSFORM = false, HAS_KEY_TRANSFORM = false, HAS_LOGITS_TRANSFORM = false,
                         HAS_LOGITS_MASK = false, HAS_OUTPUT_TRANSFORM = false, HAS_KV_START = false, HAS_SINK = false,
-                        USE_SOFTMAX = true, MASK_FROM_KV_START = false;
+                        HAS_LOGITS_SCALE = false, USE_SOFTMAX = true, MASK_FROM_KV_START = false;
   template <typename P>
   __device__ explicit NoVariant(const P&) {}
 };

@@ -105,6 +105,13 @@ struct WorkItem {
     return neg_inf();
   }
 
+  // The softmax's log2 scale of logits the variant transformed: log2 e, times the variant's logits_scale where it
+  // declares one (its last logits transform left that constant factor out; V::logits_scale() is NaN unless > 0).
+  __device__ __forceinline__ float transformed_log2_scale() const {
+    if constexpr (V::HAS_LOGITS_SCALE) return var.logits_scale() * kLog2e;
+    return kLog2e;
+  }
+
   // ---- masks -----------------------------------------------------------------------------------------------
 
   // Whether the KV tile starting at kv0 holds any hidden key for some row of this item (the boundary, the causal

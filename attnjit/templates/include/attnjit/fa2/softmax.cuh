@@ -27,20 +27,20 @@ struct WarpState {
 };
 
 // Online softmax of one tile's S (in place: S becomes P); O is rescaled only when some row's max moved.
+// scale2: the log2 scale of S (sm_scale * log2 e; after a logits transform, WorkItem::transformed_log2_scale).
 // q_row_scale(mq, r): what the logits of this lane's row (mq, r) are multiplied by beyond scale2 (fp8 with bf16 q:
 // the row's 2^-e, fa2/fp8_frags.cuh; read only then).
 template <typename Tr, typename RowScale>
 __device__ __forceinline__ void softmax_update(float (&s)[Tr::NUM_MMA_Q][Tr::NUM_MMA_KV * 2][4], WarpState<Tr>& st,
                                                float scale2, const RowScale& q_row_scale) {
   using V = typename Tr::Variant;
-  if constexpr (V::HAS_LOGITS_TRANSFORM) scale2 = kLog2e;  // the logits are already scaled
   float alpha[Tr::NUM_MMA_Q][2];
   bool moved = false;
 #pragma unroll
   for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      // the max of the raw logits, scaled once (scale2 > 0: plan() checks sm_scale, a transform uses log2 e)
+      // the max of the raw logits, scaled once (scale2 > 0: plan() checks sm_scale; a transform's is NaN unless > 0)
       float raw = neg_inf();
 #pragma unroll
       for (int nt = 0; nt < Tr::NUM_MMA_KV * 2; ++nt) raw = fmaxf(raw, fmaxf(s[mq][nt][2 * r], s[mq][nt][2 * r + 1]));

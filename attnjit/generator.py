@@ -304,7 +304,7 @@ def _variant_context(variant: Variant) -> dict:
     scaled = transforms[-1].name if transforms and transforms[-1].hook("logits_scale") else None
     return {"parts": parts, "hooks": sorted({h for p in variant.parts for h, _ in p.hooks}),
             "use_softmax": variant.use_softmax, "mask_from_kv_start": variant.mask_from_kv_start,
-            "scaled_transform": scaled}
+            "scaled_transform": scaled, "scaled_first": scaled is not None and len(transforms) == 1}
 
 
 def _context(spec: AttentionSpec) -> tuple[dict, dict[str, KernelInfo]]:

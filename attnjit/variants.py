@@ -21,12 +21,14 @@ own name: scalars as ``float``/``int``, tensors as ``const T*``; ``HEAD_DIM`` is
                                    a logit where the int conversion would cost a quarter-rate I2F each; in a
                                    composed variant a later part's logit is its predecessor's result, and its
                                    ``qk`` that result too, with ``sm_scale`` 1
-  logits_scale()         -> float  optional, with logits_transform: a constant (> 0, from the parameters) that the
-                                   transform's result is to be multiplied by, left to the softmax, which folds it
-                                   into its own scale (soft-cap: cap * tanh(x) becomes tanh(x) with scale cap; one
-                                   multiply a logit less). Any other value than a positive finite float gives NaN
-                                   outputs. In a composed variant only the last transform's scale is folded; an
-                                   earlier part's is multiplied in before the next part sees the logit
+  logits_scale()         -> float  optional, with logits_transform: a factor (> 0, from the parameters and the
+                                   row's ``sm_scale``, the value logits_transform saw) that the transform's result is
+                                   to be multiplied by, left to the softmax, which folds it into its own scale
+                                   (soft-cap: cap * tanh(x) becomes tanh(x) with scale cap; ALiBi: qk + slope / sm_scale
+                                   * rel_pos with scale sm_scale; one multiply a logit less). Any other value than a
+                                   positive finite float gives NaN outputs. In a composed variant only the last
+                                   transform's scale is folded; an earlier part's is multiplied in before the next
+                                   part sees the logit (a later part's sm_scale is 1)
   logits_mask()          -> bool   false hides the key from the query (combined with causal)
   output_transform(o)    -> float  each element of an output row (``dim`` is its index)
   kv_start()             -> int    optional: the smallest kv_pos the query can see (lets whole tiles be skipped)
@@ -71,7 +73,7 @@ HOOK_VARIABLES: dict[str, tuple[str, ...]] = {
     "query_transform": ("q", "q_pair", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "key_transform": ("k", "k_pair", "dim", "kv_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
     "logits_transform": ("logit", "qk", "sm_scale", "q_pos", "kv_pos", "rel_pos") + _POSITIONS[2:],
-    "logits_scale": (),
+    "logits_scale": ("sm_scale",),
     "logits_mask": _POSITIONS,
     "output_transform": ("o", "dim", "q_pos", "qo_len", "kv_len", "batch_idx", "qo_head", "kv_head"),
     "kv_start": ("q_pos", "qo_len", "kv_len", "batch_idx", "kv_head"),
@@ -344,8 +346,11 @@ SLIDING_WINDOW = Variant("sliding_window", params={"window_left": int},
                          logits_mask="return kv_pos >= q_pos - window_left;",
                          kv_start="return q_pos - window_left;", mask_from_kv_start=True)
 
+# logit + slope * rel_pos, with the factor sm_scale left to the softmax's scale (logits_scale: the transform adds to
+# the unscaled qk, one multiply a logit less; slope / sm_scale is the same for every logit of a row)
 ALIBI = Variant("alibi", params={"alibi_slopes": TensorParam("float32", per="qo_head")},
-                logits_transform="return logit + alibi_slopes[qo_head] * rel_pos;")
+                logits_transform="return qk + __fdividef(alibi_slopes[qo_head], sm_scale) * rel_pos;",
+                logits_scale="return sm_scale;")
 
 CUSTOM_MASK = Variant(
     "custom_mask", params={"packed_custom_mask": TensorParam("uint8", per="any"),

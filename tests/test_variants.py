@@ -343,17 +343,20 @@ def test_logits_scale_is_folded_only_for_the_last_transform_of_a_chain():
     """The softmax applies the last logits transform's logits_scale (HAS_LOGITS_SCALE, logits_scale() NaN unless
     positive); an earlier part's factor is multiplied in before the next part sees the logit; no scale, no flag."""
     alone = _variant_struct(V.SOFTCAP)
-    assert "HAS_LOGITS_SCALE = true" in alone and "softcap_.logits_scale()" in alone
+    assert "HAS_LOGITS_SCALE = true" in alone and "softcap_.logits_scale(sm_scale)" in alone
     assert "__int_as_float(0x7fffffff)" in alone          # the NaN for a scale that is not positive and finite
-    first = _variant_struct(V.compose(V.SOFTCAP, V.ALIBI))
-    assert "HAS_LOGITS_SCALE = false" in first
-    chain = first[first.index("logits_transform("):]
-    assert chain.index("softcap_.logits_transform") < chain.index("logit *= softcap_.logits_scale();") \
-        < chain.index("alibi_.logits_transform")
+    # soft-cap then ALiBi: the cap multiplied in the chain (with the row's sm_scale), ALiBi's scale folded; ALiBi's
+    # logit is the soft-cap's result, so its sm_scale (and the factor it returns) is 1
+    both = _variant_struct(V.compose(V.SOFTCAP, V.ALIBI))
+    assert "HAS_LOGITS_SCALE = true" in both and "alibi_.logits_scale(1.f)" in both
+    chain = both[both.index("logits_transform("):]
+    assert chain.index("softcap_.logits_transform") < chain.index("logit *= softcap_.logits_scale(sm_scale);") \
+        < chain.index("sm_scale = 1.f;") < chain.index("alibi_.logits_transform")
     head = attnjit.Variant("hs", params={"g": float}, logits_transform="return logit * g;")
     last = _variant_struct(V.compose(head, V.SOFTCAP))
-    assert "HAS_LOGITS_SCALE = true" in last and "logit *=" not in last
-    assert "HAS_LOGITS_SCALE = false" in _variant_struct(V.ALIBI)
+    assert "HAS_LOGITS_SCALE = true" in last and "logit *=" not in last and "softcap_.logits_scale(1.f)" in last
+    assert "alibi_.logits_scale(sm_scale)" in _variant_struct(V.ALIBI)
+    assert "HAS_LOGITS_SCALE = false" in _variant_struct(V.SIGMOID)
 
 
 def test_softcap_leaves_its_cap_to_the_softmax():
@@ -374,3 +377,17 @@ def test_sm90_softcap_loop_costs_a_multiply_and_a_tanh_a_logit():
     cap = ss.analyze(ss.sass_of(dataclasses.replace(ss.spec_for(), variant=V.SOFTCAP)))["loop"]["opcodes"]
     assert cap["MUFU"] - base["MUFU"] == 64, (base, cap)
     assert cap["FMUL"] - base["FMUL"] == 64, (base, cap)
+
+
+@pytest.mark.nvcc
+def test_sm90_alibi_loop_costs_an_add_and_a_fused_multiply_add_a_logit():
+    """ALiBi adds slope / sm_scale * rel_pos to the unscaled q.k and leaves sm_scale to the softmax: one FADD (rel_pos)
+    and one FFMA for each of a consumer thread's 64 logits over the default loop, no FMUL, no exponential more."""
+    from benchmarks import sm90_sass as ss
+
+    base = ss.analyze(ss.sass_of(ss.spec_for()))["loop"]["opcodes"]
+    alibi = ss.analyze(ss.sass_of(dataclasses.replace(ss.spec_for(), variant=V.ALIBI)))["loop"]["opcodes"]
+    assert alibi["MUFU"] - base["MUFU"] <= 2, (base, alibi)      # __fdividef's reciprocal, once a row
+    assert alibi["FMUL"] - base["FMUL"] <= 8, (base, alibi)      # a row's slope / sm_scale, not a logit's multiply
+    extra = sum(alibi.values()) - sum(base.values())
+    assert extra <= 2 * 64 + 16, (extra, base, alibi)

@@ -331,6 +331,8 @@ VARIANTS = [
     VariantCase("softcap-paged-fp8-e5m2-split", "paged", "softcap", True, "force", kv="e5m2"),
     VariantCase("gains-paged-fp8-e4m3", "paged", "gains", True, kv="e4m3"),
     VariantCase("alibi-decode-fp8-e4m3-split", "decode", "alibi", False, "force", kv="e4m3"),
+    # ALiBi's logits_scale is the row's sm_scale, which over an fp8 cache carries the query row's dequantization
+    VariantCase("alibi-paged-fp8-e4m3", "paged", "alibi", True, kv="e4m3"),
     VariantCase("sigmoid-ragged-fp8-e4m3", "ragged", "sigmoid", True, kv="e4m3"),
     VariantCase("window-paged-fp8-e4m3-fp16", "paged", "window", True, dtype=torch.float16, kv="e4m3"),
 ]

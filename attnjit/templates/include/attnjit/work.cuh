@@ -106,9 +106,10 @@ struct WorkItem {
   }
 
   // The softmax's log2 scale of logits the variant transformed: log2 e, times the variant's logits_scale where it
-  // declares one (its last logits transform left that constant factor out; V::logits_scale() is NaN unless > 0).
-  __device__ __forceinline__ float transformed_log2_scale() const {
-    if constexpr (V::HAS_LOGITS_SCALE) return var.logits_scale() * kLog2e;
+  // declares one (its last logits transform left that factor out; V::logits_scale is NaN unless > 0). sm_scale:
+  // the row's, as the transform saw it (with an fp8 query's dequantization where the logits still carry it).
+  __device__ __forceinline__ float transformed_log2_scale(float sm_scale) const {
+    if constexpr (V::HAS_LOGITS_SCALE) return var.logits_scale(sm_scale) * kLog2e;
     return kLog2e;
   }
 

@@ -257,7 +257,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
           for (int e = 0; e < 4; ++e)
             if (s[mq][nt][e] == neg_inf()) s[mq][nt][e] = 0.f;
     } else {
-      softmax_update<Tr>(s, st, V::HAS_LOGITS_TRANSFORM ? this->transformed_log2_scale() : scale2,
+      softmax_update<Tr>(s, st, V::HAS_LOGITS_TRANSFORM ? this->transformed_log2_scale(scale2 * (1.f / kLog2e)) : scale2,
                          [&](int mq, int r) { return q_row_scale(mq, r); });
     }
     pv(s, stage, st);

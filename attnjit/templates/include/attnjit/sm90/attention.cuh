@@ -141,8 +141,9 @@ struct Consumer {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         // the logits may already be scaled (transformed); fp8: the Q row's 2^-e
-        const float sc = V::HAS_LOGITS_TRANSFORM ? it.transformed_log2_scale() : Tr::Q_TO_HALF ? scale2 * qinv[r]
-                                                                                               : scale2;
+        const float sc = V::HAS_LOGITS_TRANSFORM
+                             ? it.transformed_log2_scale(scale2 * (1.f / kLog2e) * (Tr::Q_TO_HALF ? qinv[r] : 1.f))
+                             : Tr::Q_TO_HALF ? scale2 * qinv[r] : scale2;
         float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
 #pragma unroll
         for (int j = 0; j < NN / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));

@@ -82,6 +82,13 @@ __device__ __forceinline__ float fast_log2(float x) {
   return y;
 }
 
+// A softmax row's lse (log2) from its max m and its sum d: -inf where no key is visible (d = 0), and NaN where d is
+// NaN (a NaN input, or a logits_scale that is not positive): never the empty row's -inf, which a split-KV merge
+// skips as a chunk with no visible key, so a NaN would turn into a finite wrong row.
+__device__ __forceinline__ float row_lse(float m, float d) {
+  return d > 0.f ? m + fast_log2(d) : d == 0.f ? neg_inf() : d;
+}
+
 // ---- async copies (cp.async, sm_80+) ----------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

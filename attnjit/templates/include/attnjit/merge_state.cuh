@@ -130,7 +130,7 @@ __device__ __forceinline__ void merge_partials_body(const P& p) {
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] *= inv;
   store8<T>(v, acc);
-  if (vec == 0) *lse = z > 0.f ? m + fast_log2(z) : neg_inf();
+  if (vec == 0) *lse = row_lse(m, z);
 }
 
 }  // namespace attnjit

@@ -101,7 +101,7 @@ __device__ __forceinline__ void merge_group(const Item& it, unsigned tid) {
         const float inv = z > 0.f ? 1.f / z : 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] *= inv;
-        lse = z > 0.f ? m + fast_log2(z) : neg_inf();
+        lse = row_lse(m, z);
       }
       it.transform_out8(pr, c, acc);
       it.write_out8(pr, c, acc);

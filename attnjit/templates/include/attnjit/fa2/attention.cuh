@@ -318,7 +318,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
     if constexpr (V::USE_SOFTMAX) {
       const float dd = st.d[mq][r];
       inv = dd > 0.f ? fast_rcp(dd) : 0.f;
-      lse = dd > 0.f ? st.m[mq][r] + fast_log2(dd) : neg_inf();
+      lse = row_lse(st.m[mq][r], dd);
     } else {
       inv = 1.f;
       lse = 0.f;

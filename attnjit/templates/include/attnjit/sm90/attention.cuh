@@ -357,7 +357,7 @@ struct Consumer {
       d += __shfl_xor_sync(0xffffffffu, d, 2);
       if constexpr (V::USE_SOFTMAX) {
         inv[r] = d > 0.f ? fast_rcp(d) : 0.f;
-        lse[r] = d > 0.f ? m[r] + fast_log2(d) : neg_inf();
+        lse[r] = row_lse(m[r], d);
       } else {
         inv[r] = 1.f;
         lse[r] = 0.f;

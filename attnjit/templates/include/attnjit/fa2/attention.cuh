@@ -202,8 +202,8 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
     const int kv0 = kv_begin + tile * Tr::CTA_KV;
     const int col0 = kv0 + warp_kv * Tr::WARP_COLS + 2 * (lane % 4);  // this lane's first column in the tile
+    const float sm_scale = scale2 * (1.f / kLog2e);  // what a transform sees, and what its logits_scale is given
     if constexpr (V::HAS_LOGITS_TRANSFORM) {  // logit = sm_scale * q.k, transformed by the variant
-      const float sm_scale = scale2 * (1.f / kLog2e);
 #pragma unroll
       for (int mq = 0; mq < Tr::NUM_MMA_Q; ++mq)
 #pragma unroll
@@ -257,7 +257,7 @@ struct AttentionCTA : WorkItem<Tr, P> {
           for (int e = 0; e < 4; ++e)
             if (s[mq][nt][e] == neg_inf()) s[mq][nt][e] = 0.f;
     } else {
-      softmax_update<Tr>(s, st, V::HAS_LOGITS_TRANSFORM ? this->transformed_log2_scale(scale2 * (1.f / kLog2e)) : scale2,
+      softmax_update<Tr>(s, st, V::HAS_LOGITS_TRANSFORM ? this->transformed_log2_scale(sm_scale) : scale2,
                          [&](int mq, int r) { return q_row_scale(mq, r); });
     }
     pv(s, stage, st);

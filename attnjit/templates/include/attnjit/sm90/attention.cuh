@@ -92,17 +92,22 @@ struct Consumer {
     wgmma_commit();
   }
 
+  // Row r's sm_scale, as a logits transform sees it (and its logits_scale is given): fp8, times the Q row's 2^-e.
+  __device__ __forceinline__ float row_sm_scale(float scale2, int r) const {
+    const float sm_scale = scale2 * (1.f / kLog2e);
+    return Tr::Q_TO_HALF ? sm_scale * qinv[r] : sm_scale;
+  }
+
   // Logits hooks and masks, then the online softmax of tile `tile`'s first NN columns in place (S becomes P, fp32).
   template <int NN = N>
   __device__ __forceinline__ void softmax(int tile, float scale2) {
     const int kv0 = it.kv_begin + tile * N;
     const int col0 = kv0 + 2 * (lane % 4);  // this thread's first column; block j adds 8j, element e adds e
     if constexpr (V::HAS_LOGITS_TRANSFORM) {  // logit = sm_scale * q.k, transformed by the variant
-      const float sm_scale = scale2 * (1.f / kLog2e);
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int pr = it.packed_row0 + row0 + 8 * r;
-        const float sm_r = Tr::Q_TO_HALF ? sm_scale * qinv[r] : sm_scale;
+        const float sm_r = row_sm_scale(scale2, r);
         const float rel_r = float(col0 - it.q_pos_of(pr));  // rel_pos of column col0; one I2F per row, not per logit
 #pragma unroll
         for (int j = 0; j < NN / 8; ++j)
@@ -141,9 +146,9 @@ struct Consumer {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         // the logits may already be scaled (transformed); fp8: the Q row's 2^-e
-        const float sc = V::HAS_LOGITS_TRANSFORM
-                             ? it.transformed_log2_scale(scale2 * (1.f / kLog2e) * (Tr::Q_TO_HALF ? qinv[r] : 1.f))
-                             : Tr::Q_TO_HALF ? scale2 * qinv[r] : scale2;
+        const float sc = V::HAS_LOGITS_TRANSFORM ? it.transformed_log2_scale(row_sm_scale(scale2, r))
+                         : Tr::Q_TO_HALF                 ? scale2 * qinv[r]
+                                                         : scale2;
         float raw = neg_inf();  // the max of the raw logits, scaled once (sc > 0)
 #pragma unroll
         for (int j = 0; j < NN / 8; ++j) raw = fmaxf(raw, fmaxf(s[4 * j + 2 * r], s[4 * j + 2 * r + 1]));

@@ -79,6 +79,33 @@ def test_merge_state_in_place_with_mask():
     _check(v, s, ref_v, ref_s, torch.bfloat16)
 
 
+def test_a_nan_state_makes_the_merge_nan_not_the_empty_state():
+    """A state with a NaN lse (what a NaN input or an invalid logits_scale gives, common.cuh row_lse) merges to NaN,
+    o and lse, in merge_state, merge_state_in_place and merge_states: with every state NaN too, where the max over
+    the lse (fmaxf drops a NaN) alone said "no key" and gave the empty state's (0, -inf), a finite wrong row."""
+    nan, inf = math.nan, math.inf
+    va, sa = _states(4, 2, 128, torch.bfloat16, 21, empty_frac=0.0)
+    vb, sb = _states(4, 2, 128, torch.bfloat16, 22, empty_frac=0.0)
+    # rows: (NaN, NaN), (NaN, a state), (a state, NaN), (NaN, the empty state)
+    sa[0], sb[0], sa[1], sb[2], sa[3], sb[3] = nan, nan, nan, nan, nan, -inf
+    vb[3] = 0
+    v, s = attnjit.merge_state(va, sa, vb, sb)
+    assert torch.isnan(s).all() and torch.isnan(v).all(), (s, v.isnan().float().mean().item())
+    v2, s2 = va.clone(), sa.clone()
+    attnjit.merge_state_in_place(v2, s2, vb, sb)
+    assert torch.isnan(s2).all() and torch.isnan(v2).all()
+    for n in (2, 5):
+        vm, sm = _states(3, 2, 128, torch.float16, 23, n=n, empty_frac=0.0)
+        sm[0] = nan          # every state of row 0
+        sm[1, 0] = nan       # one state of row 1
+        sm[2, :, 0] = -inf   # row 2, head 0: all empty, no NaN: stays the empty state
+        vm[2, :, 0] = 0
+        out, lse = attnjit.merge_states(vm, sm)
+        assert torch.isnan(lse[:2]).all() and torch.isnan(out[:2]).all()
+        assert lse[2, 0].item() == -inf and not out[2, 0].float().any()
+        assert torch.isfinite(lse[2, 1]) and torch.isfinite(out[2, 1].float()).all()
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 17])
 def test_merge_states(n):
     v, s = _states(77, 8, 128, torch.float16, 10 + n, n=n, empty_frac=0.3)

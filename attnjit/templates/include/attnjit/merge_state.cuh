@@ -3,7 +3,9 @@
 // A state is (o, lse) with o the softmax-weighted value average over its keys and lse = log2(sum_j exp(s_j))
 // (base 2). Merging normalizes the weights before combining, so no intermediate overflows:
 //   m = max_i lse_i;  w_i = 2^(lse_i - m);  z = sum_i w_i;  o = sum_i (w_i / z) o_i;  lse = m + log2(z).
-// An empty key set is (0, -inf); merging with it is the identity, and merging only empty sets gives (0, -inf).
+// An empty key set is (0, -inf); merging with it is the identity, and merging only empty sets gives (0, -inf). A
+// state whose lse is NaN (a NaN input, an invalid logits_scale: row_lse) makes the merge NaN, o and lse, never
+// the empty set's (0, -inf) that the max alone (fmaxf drops a NaN) would give when every state is NaN.
 #pragma once
 #include "attnjit/common.cuh"
 
@@ -16,7 +18,17 @@ __device__ __forceinline__ float merge_n(int64_t n, LseFn lse_at, LoadFn load, f
 #pragma unroll
   for (int e = 0; e < 8; ++e) out8[e] = 0.f;
   float m = neg_inf();
-  for (int64_t i = 0; i < n; ++i) m = fmaxf(m, lse_at(i));
+  bool nan = false;
+  for (int64_t i = 0; i < n; ++i) {
+    const float l = lse_at(i);
+    m = fmaxf(m, l);
+    nan |= l != l;
+  }
+  if (nan) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out8[e] = __int_as_float(0x7fffffff);
+    return __int_as_float(0x7fffffff);
+  }
   if (m == neg_inf()) return neg_inf();
   float z = 0.f;
   for (int64_t i = 0; i < n; ++i) z += exp2f(lse_at(i) - m);

@@ -30,6 +30,7 @@ run() back to back (TFLOP/s), so one call can compare a patched kernel with the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -124,6 +125,27 @@ _STORE = "      if (pr < it.rows_total)\n        *reinterpret_cast<uint4*>(it.ou
 #   tiles other items still read out of L2
 _STORE_ALL = _STORE + ("\n            *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>"
                        "(row, c));")
+_EXP = "            const float x = fast_exp2(fmaf(s[4 * j + 2 * r + e], sc, -m_safe));"
+# 2^x by a degree-3 polynomial of its fraction (relative error 7.5e-5) and the exponent built in the bits; 0 at -inf
+_POLY_EXP2 = """
+__device__ __forceinline__ float poly_exp2(float x) {
+  x = fmaxf(x, -127.f);
+  const float big = x + 12582912.f;
+  const float f = x - (big - 12582912.f);
+  const float p = fmaf(fmaf(fmaf(0.0551716685f, f, 0.2426111400f), f, 0.6932609677f), f, 0.9999280572f);
+  return p * __uint_as_float((__float_as_uint(big) << 23) + (127u << 23));
+}
+"""
+_CONSUMER = "template <typename Tr, typename P>\nstruct Consumer {"
+
+
+def _poly(eighths: int) -> tuple:
+    use = f"((j + 1) * {eighths}) / 8 > (j * {eighths}) / 8"
+    return ((_EXP, "            const float y_ = fmaf(s[4 * j + 2 * r + e], sc, -m_safe);\n"
+                   f"            const float x = ({use}) ? poly_exp2(y_) : fast_exp2(y_);"),
+            (_CONSUMER, _POLY_EXP2 + "\n" + _CONSUMER))
+
+
 WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                                                 "(pr < it.rows_total && it.p.sm_scale_log2 < -1e30)")),
             # no-mask: the causal mask of the diagonal tiles skipped (their hidden keys count: wrong results)
@@ -161,6 +183,12 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # run 130: the A/B of tma_box_of
             "tma-one-warp": ("return static_cast<int>((tid % 32) * 4 + tid / 32); }",
                              "return tid < 32 ? static_cast<int>(tid) : 1 << 20; }"),
+            # poly-exp2-E (E = 1, 2: eighths): E/8 of the softmax's 8-column blocks take their exponentials from
+            # _POLY_EXP2 on the FMA pipe, not MUFU (the twenty-ninth session's poly_exp2, run 140) over the loop as
+            # it is now; with --variant softcap: whether moving MUFU work off its pipe pays now that logits_scale
+            # took an FMUL a logit out (NaN logits come out 0, not NaN: a what-if, not a kernel to keep)
+            "poly-exp2-1": _poly(1),
+            "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
                       "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
@@ -227,6 +255,8 @@ def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) 
 
 
 LAYOUTS = ("paged", "paged-seq", "ragged")
+# --variant: the spec's variant and plan()'s arguments for it
+VARIANTS = {"softcap": (attnjit.variants.SOFTCAP, {"logits_soft_cap": 30.0})}
 SMS_MAX = 256  # CTAs the stamp regions are laid out for (the persistent grid is one per SM)
 ITEM_BASE = SMS_MAX * WGS * MAX_REC * 8  # int64s before the item records
 
@@ -298,6 +328,8 @@ def main() -> int:
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "e4m3"), help="the cache's type (e4m3: the fp8 path)")
     ap.add_argument("--tile", default=None, help="an sm90 tile configuration (default: the family's default)")
+    ap.add_argument("--variant", default=None, choices=sorted(VARIANTS),
+                    help="a built-in variant's kernel and plan (softcap: logits_soft_cap 30)")
     ap.add_argument("--json")
     ap.add_argument("--what-if", choices=sorted(WHAT_IFS), help="patch the kernel (WHAT_IFS) before stamping")
     ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
@@ -315,6 +347,10 @@ def main() -> int:
     if ragged and args.kv != "bf16":
         raise SystemExit("sm90_timeline.py: --layout ragged is over a bf16 cache only")
     spec = _spec(not args.non_causal, args.kv, tile=args.tile, ragged=ragged)
+    extra: dict = {}
+    if args.variant:
+        variant, extra = VARIANTS[args.variant]
+        spec = dataclasses.replace(spec, variant=variant)
     if args.build:
         jit.ensure(spec)
         print("built", spec.short_name())
@@ -334,7 +370,7 @@ def main() -> int:
             k = torch.randn(b * L, 8, 128, dtype=torch.bfloat16, device="cuda")
             v = torch.randn_like(k)
             w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
-            w.plan(qo, qo, 32, 8, 128, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True)
+            w.plan(qo, qo, 32, 8, 128, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True, **extra)
             run = lambda: w.run(q, k, v)  # noqa: E731
         else:
             indptr, indices, last, cache = paged_tables(b, L, seed=1)
@@ -344,7 +380,7 @@ def main() -> int:
             if args.kv == "e4m3":
                 cache = cache.to(torch.float8_e4m3fn)
             w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=causal, q_data_type=torch.bfloat16,
-                   kv_data_type=cache.dtype, disable_split_kv=True)
+                   kv_data_type=cache.dtype, disable_split_kv=True, **extra)
             run = lambda: w.run(q, cache)  # noqa: E731
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):

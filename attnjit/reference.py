@@ -205,7 +205,8 @@ def merge_state(v_a: torch.Tensor, s_a: torch.Tensor, v_b: torch.Tensor,
 
 
 def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v: [seq, n, H, D], s: [seq, n, H] -> (v [seq, H, D], s [seq, H]); all-empty rows give (0, -inf)."""
+    """v: [seq, n, H, D], s: [seq, n, H] -> (v [seq, H, D], s [seq, H]); all-empty rows give (0, -inf), and a row
+    with a NaN lse among its states gives NaN, o and lse (as the kernels' merge_n: never the empty state)."""
     v64, s64 = v.double(), s.double()
     m = s64.max(dim=1).values                                  # [seq, H]
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
@@ -214,7 +215,8 @@ def merge_states(v: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.
     scale = torch.where((z > 0)[:, None], w / z.clamp_min(1e-300)[:, None], torch.zeros_like(w))
     out = (scale[..., None] * v64).sum(dim=1)
     lse = torch.where(z > 0, m_safe + torch.log2(z.clamp_min(1e-300)), torch.full_like(m, -math.inf))
-    return out, lse
+    nan = torch.isnan(s64).any(dim=1)                          # [seq, H]
+    return out.masked_fill(nan[..., None], math.nan), lse.masked_fill(nan, math.nan)
 
 
 def append_paged_kv_cache(append_key: torch.Tensor, append_value: torch.Tensor, batch_indices: list[int],

@@ -350,6 +350,23 @@ def world_of_one(tmp_path):
     dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("method", ["all_gather", "all_reduce"])
+def test_a_nan_state_combines_to_nan_not_to_an_empty_row(world_of_one, method):
+    """combine() of a rank's NaN state (a NaN input upstream) stays NaN, o and lse, on both methods; an empty state
+    stays (0, -inf) and a finite one itself (one rank: the combine is the identity)."""
+    from attnjit.distributed.combine import StateCombiner
+
+    c = StateCombiner(method=method)
+    o, lse = c.local_state(3, 1, 4, torch.float32, torch.float32, torch.device("cpu"))
+    o.copy_(torch.arange(12, dtype=torch.float32).view(3, 1, 4))
+    lse.copy_(torch.tensor([[math.nan], [-math.inf], [2.0]]))
+    o[1] = 0
+    out, out_lse = c.combine()
+    assert torch.isnan(out[0]).all() and torch.isnan(out_lse[0]).all(), (out[0], out_lse[0])
+    assert not out[1].any() and out_lse[1].item() == -math.inf
+    assert torch.allclose(out[2].double(), o[2].double()) and out_lse[2].item() == pytest.approx(2.0)
+
+
 def test_attnjit_wrappers_plan_on_a_cpu_in_graph_mode(world_of_one):
     """The GPU configuration of the engine's graph buckets, up to the kernel: fixed buffers sized from the
     engine's, two plans of one batch size with other lengths, run() failing only for want of a GPU."""

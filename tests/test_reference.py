@@ -116,6 +116,18 @@ def test_merge_states_many_and_all_empty_rows():
     assert not torch.isnan(o).any() and not torch.isnan(lse).any()
 
 
+def test_merge_states_with_a_nan_state_is_nan_not_the_empty_state():
+    """A NaN lse among a row's states (a NaN input upstream) makes the merge NaN, as the kernels' merge_n does:
+    with every state NaN the max alone said "no key" and gave (0, -inf), a finite row a later merge would drop."""
+    nan, inf = math.nan, -math.inf
+    v = torch.ones(4, 2, 1, 2, dtype=torch.float64)
+    s = torch.tensor([[[nan], [nan]], [[nan], [1.0]], [[nan], [inf]], [[inf], [inf]]], dtype=torch.float64)
+    v[3] = 0
+    o, lse = ref.merge_states(v, s)
+    assert torch.isnan(o[:3]).all() and torch.isnan(lse[:3]).all()
+    assert o[3].tolist() == [[0.0, 0.0]] and lse[3].item() == -math.inf
+
+
 # --- attention against a naive loop ----------------------------------------------------------------------
 
 def naive_attention(q, k, v, *, causal: bool, sm_scale: float):

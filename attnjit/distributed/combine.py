@@ -114,5 +114,7 @@ class StateCombiner:
         dist.all_reduce(self._sum, op=dist.ReduceOp.SUM, group=self.group)
         z = self._sum[..., dim]                                   # >= 1 where any rank has a key (w = 1 at m)
         o = self._sum[..., :dim] / z.clamp_min(1.0)[..., None]    # an empty row: 0 / 1
-        out_lse = torch.where(z > 0, m + torch.log2(z.clamp_min(1.0)), torch.full_like(m, -float("inf")))
+        # a NaN state (a NaN sum: its w is NaN) stays NaN, never the -inf of an empty row, which a later merge drops
+        out_lse = torch.where(z > 0, m + torch.log2(z.clamp_min(1.0)),
+                              torch.where(torch.isnan(z), z, torch.full_like(m, -float("inf"))))
         return o.to(self._o.dtype), out_lse.to(self._lse.dtype)

@@ -156,8 +156,8 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
 
 
 def _with_env(env: dict, run, out) -> None:
-    """run(out) with ``env`` set, only its keys touched (patch.dict snapshots and restores all of os.environ: ~0.5
-    ms a call, more than a short row's kernel)."""
+    """run(out) with ``env`` set, only its keys touched (patch.dict snapshots and restores all of os.environ: 375 us
+    a call on the CI CPU, more than a short row's kernel)."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -244,8 +244,8 @@ AB = {"auto-notma": ("attnjit_notma", {"ATTNJIT_TMA": "0"}),
       "auto-strided": ("attnjit_strided", {"ATTNJIT_WORK_CLAIMS": "0"})}
 AB_LABELS = (("attnjit_notma", "attnjit no TMA"), ("attnjit_strided", "attnjit strided"))
 # the A/B settings that run() reads, so each timed call runs inside them (_with_env); the others act in plan() alone.
-# (Run 142's strided column was timed inside mock.patch.dict around every call, ~0.5 ms of host time a call: the
-# host's speed at the short rows, 96 TFLOP/s at 32x512 against 362, not the kernel's.)
+# (Run 142's strided column was timed inside mock.patch.dict around every call, 375 us of host time a call on the CI
+# CPU: the host's speed at the short rows, 96 TFLOP/s at 32x512 against 362, not the kernel's.)
 PER_CALL = frozenset({"auto-notma"})
 
 

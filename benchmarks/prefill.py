@@ -112,14 +112,14 @@ def bench_rows(fi, rows, results, *, time_ms, ws, ws_fi, sdpa: bool = True,
         runs: dict[str, object] = {}   # name -> call, each writing its own output
         outs: dict[str, torch.Tensor] = {}
         for backend in families:
-            name, env = AB.get(backend, (f"attnjit_{backend.replace('@', '_')}", {}))
+            name, env, per_call = AB.get(backend, (f"attnjit_{backend.replace('@', '_')}", {}, False))
             if backend == "auto":
                 name = "attnjit"
             with mock.patch.dict(os.environ, env):   # ATTNJIT_WORK_CLAIMS acts in plan()
                 w, run = _attnjit(ws, row, q, qo_indptr, kv, tables, "auto" if backend in AB else backend)
             r[f"{name}_plan"] = w.last_plan
             outs[name] = torch.empty_like(q)
-            if env and backend in PER_CALL:   # ATTNJIT_TMA is read by each run(): the setting around every call
+            if per_call:   # a setting run() reads (ATTNJIT_TMA): around every call
                 runs[name] = (lambda run, out, env: lambda: _with_env(env, run, out))(run, outs[name], env)
             else:
                 runs[name] = (lambda run, out: lambda: run(out))(run, outs[name])
@@ -240,13 +240,12 @@ def bench_variants(fi, results, *, time_ms, ws, ws_fi, row: Row = Row(8, 2048), 
 
 
 # the A/B columns: backend name -> (result name, environment), and their table labels
-AB = {"auto-notma": ("attnjit_notma", {"ATTNJIT_TMA": "0"}),
-      "auto-strided": ("attnjit_strided", {"ATTNJIT_WORK_CLAIMS": "0"})}
+# per_call: the setting is one run() reads, so each timed call runs inside it (_with_env); the others act in plan()
+# alone. (Run 142's strided column was timed inside mock.patch.dict around every call, 375 us of host time a call on
+# the CI CPU: the host's speed at the short rows, 96 TFLOP/s at 32x512 against 362, not the kernel's.)
+AB = {"auto-notma": ("attnjit_notma", {"ATTNJIT_TMA": "0"}, True),
+      "auto-strided": ("attnjit_strided", {"ATTNJIT_WORK_CLAIMS": "0"}, False)}
 AB_LABELS = (("attnjit_notma", "attnjit no TMA"), ("attnjit_strided", "attnjit strided"))
-# the A/B settings that run() reads, so each timed call runs inside them (_with_env); the others act in plan() alone.
-# (Run 142's strided column was timed inside mock.patch.dict around every call, 375 us of host time a call on the CI
-# CPU: the host's speed at the short rows, 96 TFLOP/s at 32x512 against 362, not the kernel's.)
-PER_CALL = frozenset({"auto-notma"})
 
 
 def table(rows, ceiling: float) -> str:

@@ -30,7 +30,6 @@ run() back to back (TFLOP/s), so one call can compare a patched kernel with the 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -350,7 +349,7 @@ def main() -> int:
     extra: dict = {}
     if args.variant:
         variant, extra = VARIANTS[args.variant]
-        spec = dataclasses.replace(spec, variant=variant)
+        spec = spec.replace(variant=variant)
     if args.build:
         jit.ensure(spec)
         print("built", spec.short_name())

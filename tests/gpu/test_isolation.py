@@ -82,11 +82,12 @@ def test_nan_in_unused_slots_and_in_another_request_never_reaches_a_request(case
         dirty = full.clone()
         unused = ~_used_slots(b).to(DEV)
         assert unused.any()   # every case has a short last page or spare pages
-        _slot_major(dirty.view(torch.uint8), case.layout)[unused] = 0xFF   # NaN bits, keys and values
+        slots = _slot_major(dirty.view(torch.uint8), case.layout)   # bytes, [pages, page_size, 2, H_kv, ...]
+        slots[unused] = 0xFF   # NaN bits, keys and values
         # request 0's first value (slot 0 of its first page), every kv head: NaN
         p0 = b.kv_indices[b.kv_indptr[0]]
-        _slot_major(dirty.view(torch.uint8), case.layout)[p0, 0, 1] = 0xFF
-        assert _slot_major(dirty.view(torch.uint8), case.layout)[p0, 0, 1].eq(0xFF).all()
+        slots[p0, 0, 1] = 0xFF
+        assert _slot_major(dirty.view(torch.uint8), case.layout)[p0, 0, 1].eq(0xFF).all()   # written through the view
         out, lse = poisoned(b.q.shape, case.dtype, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
         w.run(b.q, _cache_arg(dirty, as_tuple=case.dtype == torch.float16), out=out, lse=lse, **scales)
         rows_bad = slice(b.qo_indptr[0], b.qo_indptr[1])   # decode: qo_indptr is 0, 1, 2, ...

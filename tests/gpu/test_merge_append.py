@@ -106,6 +106,34 @@ def test_a_nan_state_makes_the_merge_nan_not_the_empty_state():
         assert torch.isfinite(lse[2, 1]) and torch.isfinite(out[2, 1].float()).all()
 
 
+def test_a_nan_o_reaches_the_merge_however_small_its_weight():
+    """A finite state with a NaN o (a NaN value among its keys) whose weight underflows to 0 next to the others
+    (lse 300 below the max: 2^-300 is 0 in fp32) still makes the merged o NaN, with the finite lse of the rest, as
+    the split merges give (0 * NaN): merge_n used to skip a zero weight and return a finite row the input never
+    had. An empty state's o (lse -inf) is still never read, NaN or not."""
+    va, sa = _states(2, 2, 128, torch.bfloat16, 31, empty_frac=0.0)
+    vb, sb = _states(2, 2, 128, torch.bfloat16, 32, empty_frac=0.0)
+    sa[:] = 10.0
+    sb[0] = -290.0            # row 0: b finite, far below a, o NaN
+    vb[0] = math.nan
+    sb[1] = -math.inf         # row 1: b empty, o NaN: never read
+    vb[1] = math.nan
+    v, s = attnjit.merge_state(va, sa, vb, sb)
+    assert torch.isnan(v[0]).all() and torch.equal(s[0], sa[0]), (v[0], s[0])
+    assert torch.equal(v[1], va[1]) and torch.equal(s[1], sa[1])
+    vm, sm = _states(2, 2, 128, torch.float16, 33, n=5, empty_frac=0.0)
+    sm[:] = 4.0
+    sm[:, 3] = -300.0
+    vm[0, 3] = math.nan       # row 0: one underflowed state's o NaN
+    sm[1, 2] = -math.inf
+    vm[1, 2] = math.nan       # row 1: one empty state's o NaN, the underflowed state finite
+    out, lse = attnjit.merge_states(vm, sm)
+    assert torch.isnan(out[0]).all() and torch.isfinite(lse[0]).all()
+    keep = [0, 1, 3, 4]       # row 1 without its empty state (the reference would read its NaN o)
+    ref_v, ref_s = reference.merge_states(vm[1:, keep], sm[1:, keep])
+    _check(out[1:], lse[1:], ref_v, ref_s, torch.float16)
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 17])
 def test_merge_states(n):
     v, s = _states(77, 8, 128, torch.float16, 10 + n, n=n, empty_frac=0.3)
@@ -166,6 +194,22 @@ def test_append_out_of_range_is_an_error_with_check_and_skipped_without():
     attnjit.append_paged_kv_cache(k, k, *args)  # position 16 is past the request's only page: not written
     torch.cuda.synchronize()
     assert cache.abs().sum().item() == 0
+
+
+@pytest.mark.parametrize("indptr,position", [([0, 3], 16), ([-1, 1], 0)], ids=["past-the-end", "negative"])
+def test_append_never_reads_a_page_id_outside_kv_indices(indptr, position):
+    """kv_indices is a view into a larger table (the entries beside it are real page ids, 2 and 3): an indptr that
+    points past its end or before its start, unchecked without check=True, must not make the kernel read a
+    neighbouring entry and write the token into that page (another request's)."""
+    cache = torch.zeros(4, 2, 16, 2, 64, dtype=torch.float16, device=DEV)
+    k = torch.ones(1, 2, 64, dtype=torch.float16, device=DEV)
+    table = i32([3, 1, 2], DEV)
+    args = (i32([0], DEV), i32([position], DEV), cache, table[1:2], i32(indptr, DEV), i32([16], DEV))
+    with pytest.raises(ValueError, match="kv_indptr|kv_indices"):
+        attnjit.append_paged_kv_cache(k, k, *args, check=True)
+    attnjit.append_paged_kv_cache(k, k, *args)
+    torch.cuda.synchronize()
+    assert cache.abs().sum().item() == 0, "a token was written through a page id outside kv_indices"
 
 
 def test_outputs_that_need_a_gradient_fail_in_backward_not_silently():

@@ -156,6 +156,38 @@ def test_decode_requests_with_an_empty_history_give_zeros_and_minus_inf(workspac
         assert w.last_plan["split_kv"]
 
 
+@pytest.mark.parametrize("split", ["auto", "force"])
+def test_a_nan_sink_makes_its_heads_rows_nan_even_with_no_visible_key(workspace, split):
+    """One head's sink is NaN (a corrupted model parameter; run() cannot read a device tensor's values without a
+    sync): every row of that head is NaN, o and lse, on requests with an empty history too, where o sums no key and
+    the kernels used to write o = 0 beside a NaN lse (a finite row a merge or a model would take as real). Every
+    other head is the reference's (lse = its sink where no key is visible)."""
+    kv_lens = (0, 37, 0, 1000, 5, 4096)
+    b = make_paged((1,) * len(kv_lens), kv_lens, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,
+                   dtype=torch.bfloat16, device=DEV, seed=22)
+    _, kvp, idx, last = b.tensors(DEV)
+    sinks = sink_values(22)
+    bad = 5
+    sinks[bad] = math.nan
+    w = attnjit.BatchDecodeWithPagedKVCacheWrapper(workspace)
+    w.plan(kvp, idx, last, H_Q, H_KV, D, 16, q_data_type=torch.bfloat16, sinks=True,
+           **({"fixed_split_size": 128} if split == "force" else {}))
+    out, lse = poisoned(b.q.shape, torch.bfloat16, DEV), poisoned(b.q.shape[:2], torch.float32, DEV)
+    w.run(b.q, b.cache, out=out, lse=lse, sinks=sinks.to(DEV))
+    torch.cuda.synchronize()
+    assert torch.isnan(out[:, bad].float()).all() and torch.isnan(lse[:, bad]).all(), (out[:, bad], lse[:, bad])
+    finite = sinks.clone()
+    finite[bad] = 0.0
+    s = finite.double().to(DEV)
+    ref_o, ref_lse = reference.batch_decode(b.q, b.cache, b.kv_indptr, b.kv_indices, b.last_page_len, page_size=16,
+                                            hooks=Hooks(sink=lambda p: s))
+    good = [h for h in range(H_Q) if h != bad]
+    assert_close(out[:, good], ref_o[:, good], torch.bfloat16)
+    assert_lse_close(lse[:, good], ref_lse[:, good])
+    if split == "force":
+        assert w.last_plan["split_kv"]
+
+
 @pytest.mark.parametrize("use_tensor_cores", [False, True])
 def test_use_tensor_cores_runs_and_is_recorded(workspace, use_tensor_cores):
     b = make_paged((1,) * 4, DEC_MED, page_size=16, num_qo_heads=H_Q, num_kv_heads=H_KV, head_dim=D,

@@ -89,6 +89,12 @@ __device__ __forceinline__ float row_lse(float m, float d) {
   return d > 0.f ? m + fast_log2(d) : d == 0.f ? neg_inf() : d;
 }
 
+// What a softmax row's accumulated o is multiplied by: 1/d, 0 where no key is visible (d = 0), and NaN where d is
+// NaN, so that the row's o is NaN with its lse even where o summed nothing (a NaN sink with no visible key).
+__device__ __forceinline__ float row_rcp(float d) {
+  return d > 0.f ? fast_rcp(d) : d == 0.f ? 0.f : d;
+}
+
 // ---- async copies (cp.async, sm_80+) ----------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

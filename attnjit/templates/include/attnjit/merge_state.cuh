@@ -12,7 +12,8 @@
 namespace attnjit {
 
 // Merges n states for 8 consecutive elements of o: lse_at(i) is state i's lse, load(i, float[8]) reads its o.
-// Writes the merged o to out8 and returns the merged lse. An empty state's o is never read.
+// Writes the merged o to out8 and returns the merged lse. An empty state's o (lse -inf) is never read; every other
+// state's is, however small its weight.
 template <typename LseFn, typename LoadFn>
 __device__ __forceinline__ float merge_n(int64_t n, LseFn lse_at, LoadFn load, float* out8) {
 #pragma unroll
@@ -34,8 +35,9 @@ __device__ __forceinline__ float merge_n(int64_t n, LseFn lse_at, LoadFn load, f
   for (int64_t i = 0; i < n; ++i) z += exp2f(lse_at(i) - m);
   const float inv_z = 1.f / z;
   for (int64_t i = 0; i < n; ++i) {
-    const float w = exp2f(lse_at(i) - m) * inv_z;
-    if (w == 0.f) continue;
+    const float l = lse_at(i);
+    if (l == neg_inf()) continue;  // an empty state; a finite one whose weight underflows to 0 is still read, so
+    const float w = exp2f(l - m) * inv_z;  // a NaN in its o reaches the sum (0 * NaN), as in the split merges
     float v[8];
     load(i, v);
 #pragma unroll

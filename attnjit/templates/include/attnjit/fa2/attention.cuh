@@ -312,12 +312,12 @@ struct AttentionCTA : WorkItem<Tr, P> {
 
   // ---- output ---------------------------------------------------------------------------------------------
 
-  // What a row's accumulated o is multiplied by, and the row's lse (softmax: 1/d and m + log2 d; a fully hidden
-  // row gives 0 and -inf; no softmax: the sum stands, lse 0).
+  // What a row's accumulated o is multiplied by, and the row's lse (softmax: 1/d and m + log2 d, row_rcp and
+  // row_lse: a fully hidden row gives 0 and -inf, a NaN d NaN and NaN; no softmax: the sum stands, lse 0).
   __device__ __forceinline__ void state_scale(const WarpState<Tr>& st, int mq, int r, float& inv, float& lse) const {
     if constexpr (V::USE_SOFTMAX) {
       const float dd = st.d[mq][r];
-      inv = dd > 0.f ? fast_rcp(dd) : 0.f;
+      inv = row_rcp(dd);
       lse = row_lse(st.m[mq][r], dd);
     } else {
       inv = 1.f;
@@ -513,8 +513,8 @@ struct AttentionCTA : WorkItem<Tr, P> {
             const float s2 = this->sink_log2(packed_row0 + warp_q * Tr::WARP_ROWS + mq * 16 + lane / 4 + 8 * r);
             if (s2 != neg_inf()) {
               st.m[mq][r] = s2;
-              st.d[mq][r] = 1.f;  // every lane of the quad holds its rows' whole sum
-            }
+              st.d[mq][r] = s2 == s2 ? 1.f : s2;  // every lane of the quad holds its rows' whole sum; a NaN sink
+            }                                       // makes it NaN: the row's o is NaN even with no visible key
           }
       }
     }

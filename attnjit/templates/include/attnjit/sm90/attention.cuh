@@ -361,7 +361,7 @@ struct Consumer {
       d += __shfl_xor_sync(0xffffffffu, d, 1);
       d += __shfl_xor_sync(0xffffffffu, d, 2);
       if constexpr (V::USE_SOFTMAX) {
-        inv[r] = d > 0.f ? fast_rcp(d) : 0.f;
+        inv[r] = row_rcp(d);
         lse[r] = row_lse(m[r], d);
       } else {
         inv[r] = 1.f;
@@ -464,7 +464,9 @@ struct Consumer {
           const float s2 = it.sink_log2(it.packed_row0 + row0 + 8 * r);
           if (s2 != neg_inf()) {
             m[r] = s2;
-            l[r] = lane % 4 == 0 ? 1.f : 0.f;  // l holds each thread's share of the row sum (the quad adds them)
+            // l holds each thread's share of the row sum (the quad adds them); a NaN sink makes the sum NaN, so
+            // the row's o is NaN (row_rcp) even with no visible key
+            l[r] = lane % 4 == 0 ? (s2 == s2 ? 1.f : s2) : 0.f;
           }
         }
       }

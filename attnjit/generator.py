@@ -182,6 +182,7 @@ PARAMS: dict[str, ParamLayout] = {
         num_heads: i64: H_kv
         batch_size: i64: B
         num_pages: i64: pages in the cache
+        num_indices: i64: entries of kv_indices (an entry past them is never read)
         k_stride_n: i64: element strides of k
         k_stride_h: i64: .
         v_stride_n: i64: element strides of v

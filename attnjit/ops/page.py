@@ -80,8 +80,9 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
     page_size], slot pos % page_size. Shapes, dtypes and devices are always checked, and that append_key and
     append_value share no memory with the cache. Values are checked on the host only with ``check=True`` (it
     synchronizes), including that no two tokens land in one (page, slot); without it, a token whose position lies
-    outside its request's pages is skipped by the kernel, which never writes out of bounds, and two tokens bound for
-    one slot leave either one there.
+    outside its request's pages, or whose page-table entry lies outside kv_indices (an indptr past its ends), is
+    skipped by the kernel, which never reads or writes out of bounds, and two tokens bound for one slot leave
+    either one there.
 
     The kernel reads batch_indices, positions, kv_indptr and kv_indices as dense arrays (a strided view such as a
     table's column is an error, not a silent misread); keys and values are read 16 bytes at a time; the cache's
@@ -144,8 +145,9 @@ def append_paged_kv_cache_eager(append_key: torch.Tensor, append_value: torch.Te
         k=append_key.data_ptr(), v=append_value.data_ptr(), batch_indices=batch_indices.data_ptr(),
         positions=positions.data_ptr(), kv_indptr=kv_indptr.data_ptr(), kv_indices=kv_indices.data_ptr(),
         k_cache=cache.k.data_ptr(), v_cache=cache.v.data_ptr(), nnz=nnz, num_heads=cache.num_kv_heads,
-        batch_size=batch, num_pages=cache.num_pages, k_stride_n=append_key.stride(0),
-        k_stride_h=append_key.stride(1), v_stride_n=append_value.stride(0), v_stride_h=append_value.stride(1),
+        batch_size=batch, num_pages=cache.num_pages, num_indices=kv_indices.numel(),
+        k_stride_n=append_key.stride(0), k_stride_h=append_key.stride(1), v_stride_n=append_value.stride(0),
+        v_stride_h=append_value.stride(1),
         cache_stride_page=cache.stride_page, cache_stride_inner=cache.stride_inner))
 
 

@@ -2,8 +2,9 @@
 //
 // Token i of the append batch belongs to request batch_indices[i] at position positions[i] (its index in
 // that request's KV sequence, counted from 0). It lands at page kv_indices[kv_indptr[b] + pos / PAGE_SIZE],
-// slot pos % PAGE_SIZE. A token whose position falls outside the request's pages (or whose page id is outside
-// the cache) is not written: the kernel never writes out of bounds (validate on the host with check=True).
+// slot pos % PAGE_SIZE. A token whose position falls outside the request's pages (or whose page-table entry lies
+// outside kv_indices, or whose page id is outside the cache) is not written: the kernel never reads or writes out
+// of bounds (validate on the host with check=True, which raises instead).
 #pragma once
 #include "attnjit/common.cuh"
 #include "attnjit/paged.cuh"
@@ -28,7 +29,9 @@ __device__ __forceinline__ void append_kv_body(const P& p) {
   if (b < 0 || b >= p.batch_size || pos < 0) return;
   const int32_t* indptr = reinterpret_cast<const int32_t*>(p.kv_indptr);
   const int64_t iter = indptr[b] + page_of<PAGE_SIZE>(pos);  // any page size 1..1024 (attnjit/paged.cuh)
-  if (iter >= indptr[b + 1]) return;
+  // an indptr past kv_indices' ends (check=False reads none of it on the host) would read a stray id, which could
+  // name another request's page: such a token is not written
+  if (iter >= indptr[b + 1] || iter < 0 || iter >= p.num_indices) return;
   const int64_t page = reinterpret_cast<const int32_t*>(p.kv_indices)[iter];
   if (page < 0 || page >= p.num_pages) return;
   const int64_t dst = paged_offset<HND, HEAD_DIM>(page, slot_of<PAGE_SIZE>(pos), head, p.cache_stride_page,

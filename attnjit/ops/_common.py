@@ -103,6 +103,26 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 Span = tuple[str, tuple[int, int]]   # (name, byte_span)
 
 
+def plan_spans(bound: dict[str, Any], page_ids_ptr: int, used: int) -> tuple[Span, ...]:
+    """(name, byte_span) of what a plan's kernel reads besides q and the KV operand: the tensors plan() bound (a
+    caller's packed_custom_mask among them) and the page ids it reads (a caller's device tensor, unless copied)."""
+    out = tuple((f"plan()'s {n}", byte_span(t)) for n, t in bound.items() if isinstance(t, torch.Tensor))
+    if page_ids_ptr and used:
+        out += (("the plan's page ids", (page_ids_ptr, page_ids_ptr + 4 * used)),)
+    return out
+
+
+def tensor_spans(params: dict | None, k_scale: Any, v_scale: Any) -> tuple[Span, ...]:
+    """(name, byte_span) of the tensors among run()'s variant parameters (sinks, a user variant's tensors) and
+    dequantization scales: the kernel reads them while it writes out, lse and the workspace."""
+    out = tuple((f"variant parameter {n!r}", byte_span(t)) for n, t in (params or {}).items()
+                if isinstance(t, torch.Tensor))
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if isinstance(t, torch.Tensor):
+            out += ((name, byte_span(t)),)
+    return out
+
+
 def first_shared(these: tuple[Span, ...], those: tuple[Span, ...]) -> tuple[Span, Span] | None:
     """The first pair (one of ``these``, one of ``those``) whose byte spans overlap, or None. An empty span, (0, 0),
     overlaps nothing."""
@@ -184,7 +204,12 @@ def unsupported(**features: Any) -> None:
         if value is None and default is None or default is False and value is False:
             continue
         shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
-        raise NotImplementedError(f"{name}={shown} is not supported by attnjit")
+        raise NotImplementedError(f"{name}={shown} is not supported by attnjit{_INSTEAD.get(name, '')}")
+
+
+# what to use instead, where attnjit has it in its own terms
+_INSTEAD = {n: " (FlashInfer's JIT variant arguments: declare the variant with attnjit.Variant and pass the wrapper "
+               "variant=; README, \"Declare your own attention variant\")" for n in ("jit_args", "jit_kwargs")}
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,8 @@ class Plan:
     tma: Any = None                 # tma.Copies: what the kernel may copy by TMA (sm90), or None
     tma_used: str = ""              # what the last launch copied by TMA ("q+kv", "q+k", "q", "kv", "")
     claims: int | None = None       # sm90: 1 CTAs claim work items, 0 grid stride (ATTNJIT_WORK_CLAIMS); else None
+    plan_values: list | None = None  # graph mode: the struct as plan() filled it, before any run() (_graph)
+    read_spans: tuple = ()          # (name, byte span) the kernel reads besides q and KV: plan()'s tensors, page ids
 
     def decision(self) -> dict:
         tma = {"tma": self.tma_used} if self.tma is not None else {}

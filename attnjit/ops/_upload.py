@@ -232,18 +232,20 @@ class MetadataBuffers:
             at += (e - s) // 4
         return copies, views
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (never, for a CPU workspace)."""
+        if not self._pinned:
+            return False
+        raw = self.raw
+        if raw is not None:
+            return raw.capturing(raw.stream())
+        return torch.cuda.is_current_stream_capturing()
+
     def refuse_capture(self, what: str) -> None:
         """Raise if the current stream is capturing a CUDA graph. A plan's copies would be recorded into the graph
         (each replay copying whatever a staging buffer holds then) and reading device metadata back synchronizes,
         which invalidates a capture: either way a wrong answer or a failed capture far from its cause."""
-        if not self._pinned:   # a CPU workspace: nothing is captured
-            return
-        raw = self.raw
-        if raw is not None:
-            capturing = raw.capturing(raw.stream())
-        else:
-            capturing = torch.cuda.is_current_stream_capturing()
-        if capturing:
+        if self.capturing():
             raise RuntimeError(
                 f"{what} was called while the current CUDA stream is capturing a graph. Planning copies metadata "
                 "to the device outside the graph's fixed buffers: call plan() before the capture and capture "

@@ -160,8 +160,6 @@ def with_sinks(plan: Any, variant_params: dict[str, Any], sinks: Any) -> dict[st
     return {**variant_params, "sinks": sinks}
 
 
-
-
 def check_value(variant: Variant, name: str, kind: Any, value: Any, *, device: torch.device,
                 sizes: dict[str, int]) -> int | float:
     """One run()-time parameter -> what its struct field holds (float, int or a device pointer)."""

@@ -1,6 +1,7 @@
-"""The machinery every attention wrapper shares: plan()'s common tail (spec, family, tile, schedule, upload, kernel),
-run()'s checks against the plan and its launch, and the paged wrappers' cache checks. The public wrappers are in
-``attention``; this module holds what they inherit, so that each file keeps one job.
+"""The machinery every attention wrapper shares: plan()'s common tail (spec, family, tile, schedule, upload, kernel)
+and run()'s checks against the plan and its launch. The public wrappers are in ``attention``, the paged wrappers'
+run() and page-table reader in ``_paged``, graph mode's replay rules in ``_graph``; this module holds what they
+inherit, so that each file keeps one job.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from ..specs import DEFAULT_ARCH, AttentionSpec
 from ..variants import Variant, resolve as resolve_variant
 from . import _handles, planner as P
 from .planner import _LOG2E
-from ._common import (SPEC_DTYPE, PagedCache, byte_span, check_apart_from, check_layout, check_metadata,
-                      check_tensor, check_written_apart, spec_for, unpack_paged_cache, unsupported, with_family)
+from ._common import (SPEC_DTYPE, byte_span, check_apart_from, check_layout, check_metadata, check_tensor,
+                      check_written_apart, plan_spans, spec_for, tensor_spans, with_family)
+from ._graph import Replay, check_launch
 from ._grad import guard
 from ._running import Plan, check_q_out, copies_for, kv_scales, launch, split_scale, variant_args
 from ._upload import MetadataBuffers
-from ._variants import Binding, bind, check_value, with_sinks
+from ._variants import Binding, bind, check_value
 from .compat import FlashInferAliases, plan_settings
 from .merge import merge_partials_in_place
 from .scheduler import MAX_WORK_ITEMS, WorkPlan, defer_merges, plan_work
@@ -51,6 +53,7 @@ _A = PARAMS["attention"].index  # the fields each plan fills, at their PARAMS["a
 _KVI, _WORK, _WC, _MC = _A["kv_indices"], _A["work"], _A["work_count"], _A["merge_counters"]
 _TMP_O, _TMP_LSE = _A["tmp_o"], _A["tmp_lse"]
 _NO_POINTERS = dict.fromkeys(("kv_indices", "work", "work_count", "merge_counters"), 0)
+_METADATA = {_KVI, _WORK, _WC, _MC}   # the fixed buffers' fields: the same buffers in every graph-mode plan
 
 
 _PLAIN = frozenset((type(None), bool, int, float, str, torch.dtype))
@@ -139,7 +142,7 @@ class _AttentionWrapper(FlashInferAliases):
         self._meta = MetadataBuffers(self._device, self._use_cuda_graph, max_work_items)
         self._cuda_seen = False   # torch.cuda.is_available() once answered True for this wrapper (_finish_plan)
         self._plan: Plan | None = None  # graph mode: every plan has the first one's spec, tile and grid
-        self._graph_num_pages: int | None = None  # pages of the cache the last run() read: what a replay reads
+        self._replay = Replay()   # graph mode: the operands a replay reads and writes (_graph)
         self._cache_memo: tuple | None = None  # (cache tensor, plan, PagedCache, its memory) of the last run()
         self._launches: dict[int, dispatch.Launch] = {}  # kernel pointer -> its Launch
         self._kernels: dict[tuple, tuple] = {}            # (spec, tile, sms) -> (kernel, slots): _kernel_for
@@ -249,12 +252,18 @@ class _AttentionWrapper(FlashInferAliases):
         if prep is None:
             prep = self._prepared[key] = self._prepare(key, binding)
         defer = self._defer_merge and _mergeable(spec.variant)
+        if graph is not None:   # a captured run merges as the first plan did: in a second kernel or in the kernel
+            defer = graph.work.merge_table is not None
         # a deferred plan beside the cascade's last level: a split fills half of the GPU, which the list then walks
         # (the grid stays the key's, so an unsplit list still runs on all of it)
         sched = {**prep.sched, "slots": max(1, prep.sched["slots"] // 2)} if defer and self._share_gpu else prep.sched
         work = _schedule(batch, sched, defer)
         if work.merge_table is None and sched is not prep.sched:   # it fell back to in-kernel merges: all the GPU
             work = _schedule(batch, prep.sched)
+        if graph is not None and defer and work.merge_table is None:
+            raise ValueError("use_cuda_graph: this plan's partial states do not fit float_workspace_buffer, but the "
+                             "graph was planned to merge them in a second kernel (a cascade level); give the wrapper "
+                             "a larger workspace")
         q_dtype, kv_dtype, o_dtype = dtypes
         total_q, size = batch.total_q, batch.batch_size
         plan = Plan(spec=spec, work=work, batch_size=size, total_q=total_q, num_qo_heads=num_qo_heads,
@@ -267,12 +276,20 @@ class _AttentionWrapper(FlashInferAliases):
         plan.keep += binding.keep
         plan.settings = plan_settings(causal=spec.mask == "causal", opts=opts)
         plan.sm_scale_log2 = opts.sm_scale * _LOG2E   # run()'s scalar k_scale multiplies it (_running.kv_scales)
+        values = self._plan_values(plan, prep)
+        if graph is not None:   # nothing is written before these checks: a refused plan leaves the graph's intact
+            check_launch(graph.plan_values, values, prep.layout.names, _METADATA)
+            if work.merge_table is not None:
+                self._check_merge_table(work.merge_table)
+        if self._use_cuda_graph:
+            plan.plan_values = values.copy()
         if on_gpu:
             ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
                                     page_ids=page_ids, used=batch.num_page_ids, keep=plan.keep)
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = _NO_POINTERS
-        self._fill_launch(plan, prep, ptr)
+        self._fill_launch(plan, prep, ptr, values)
+        plan.read_spans = plan_spans(binding.bound, ptr.get("kv_indices", 0), batch.num_page_ids)
         if work.merge_table is not None and on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
         if self._use_cuda_graph and self._meta.batch is None:
@@ -288,11 +305,16 @@ class _AttentionWrapper(FlashInferAliases):
             buf = torch.empty(table.shape, dtype=torch.int32, device=self._device)
             if self._use_cuda_graph:
                 self._table_buf = buf
-        elif buf.shape != table.shape:
-            raise ValueError(f"use_cuda_graph: this plan has {table.shape[0]} query rows but the graph was planned for "
-                             f"{buf.shape[0]}")
+        self._check_merge_table(table)
         buf.copy_(host, non_blocking=True)
         return buf
+
+    def _check_merge_table(self, table: np.ndarray) -> None:
+        """Graph mode: the captured merge covers the first deferred plan's rows, no more and no fewer."""
+        buf = self._table_buf
+        if buf is not None and buf.shape != table.shape:
+            raise ValueError(f"use_cuda_graph: this plan has {table.shape[0]} query rows but the graph was planned for "
+                             f"{buf.shape[0]}")
 
     def _checked(self, args: dict[str, Any]) -> tuple:
         """P.plan_scalars(args), or its result for the last plan() when ``args`` has the same values, of the same
@@ -331,15 +353,13 @@ class _AttentionWrapper(FlashInferAliases):
         return out
 
     def _check_graph_plan(self, spec: AttentionSpec, batch: P.Batch) -> None:
-        """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the cache)."""
+        """Graph mode: a plan must fit what the captured graph replays (kernel spec, batch size, the operands)."""
         graph = self._graph_plan()
         if graph is not None and spec is not graph.spec and spec != graph.spec:  # (fast_plan passes the same)
             raise ValueError(f"use_cuda_graph: plan() asks for {spec.short_name()} but this wrapper's graph "
                              f"was planned for {graph.spec.short_name()}; use one wrapper per kernel spec")
         self._meta.check_batch(batch.batch_size)
-        if self._graph_num_pages is not None and batch.max_page >= self._graph_num_pages:
-            raise ValueError(f"use_cuda_graph: the page table uses page id {batch.max_page} but the cache of the "
-                             f"last run() (what a replay reads) has {self._graph_num_pages} pages")
+        self._replay.check_batch(batch.total_q, batch.total_kv, batch.max_page, spec.kv == "paged")
 
     def _kernel_for(self, spec: AttentionSpec, tile, sms: int | None) -> tuple[Any, int]:
         """(kernel or None, resident CTAs over all SMs) of one tile of the spec's module, memoized per wrapper
@@ -391,8 +411,20 @@ class _AttentionWrapper(FlashInferAliases):
                          variant_slots=[(n, layout.index[variant_param_name(n)], kinds[n]) for n in binding.required],
                          extra=self._decision_extra(), tma=tma, claims_slot=layout.index.get("work_claims"))
 
-    def _fill_launch(self, plan: Plan, prep: _Prepared, ptr: dict[str, int]) -> None:
-        """The plan's parameter struct (the key's, with this plan's pointers and variant values) and grid."""
+    def _plan_values(self, plan: Plan, prep: _Prepared) -> list:
+        """The plan's parameter struct before its metadata pointers: the key's, with this plan's variant values."""
+        vals = prep.values.copy()
+        if prep.claims_slot is not None:   # sm90: CTAs claim items from work_count[1] (sm90/producer.cuh)
+            vals[prep.claims_slot] = plan.claims = int(knobs.WORK_CLAIMS.get())
+        if prep.bound_slots:
+            binding = plan.binding
+            for name, index, kind in prep.bound_slots:
+                vals[index] = check_value(binding.variant, name, kind, binding.bound[name], device=self._device,
+                                          sizes=plan.variant_sizes)
+        return vals
+
+    def _fill_launch(self, plan: Plan, prep: _Prepared, ptr: dict[str, int], vals: list) -> None:
+        """The plan's parameter struct (``vals``, _plan_values, with the metadata pointers) and grid."""
         work = plan.work
         if self._use_cuda_graph:  # the kernel is the first plan's, so are its slots: the grid is fixed
             grid_x = max(prep.slots, 1)  # persistent CTAs walk whatever work list a later plan holds
@@ -404,16 +436,8 @@ class _AttentionWrapper(FlashInferAliases):
         if launch is not None:
             launch.grid, launch.decide = (grid_x, 1, 1), plan.decision
             plan.attn = launch
-        vals = prep.values.copy()
         vals[_KVI], vals[_WORK], vals[_MC] = ptr.get("kv_indices", 0), ptr["work"], ptr["merge_counters"]
         vals[_WC] = ptr["work_count"] if prep.count else 0  # 0: the grid is the list
-        if prep.claims_slot is not None:   # sm90: CTAs claim items from work_count[1] (sm90/producer.cuh)
-            vals[prep.claims_slot] = plan.claims = int(knobs.WORK_CLAIMS.get())
-        if prep.bound_slots:
-            binding = plan.binding
-            for name, index, kind in prep.bound_slots:
-                vals[index] = check_value(binding.variant, name, kind, binding.bound[name], device=self._device,
-                                          sizes=plan.variant_sizes)
         plan.attn_values = vals
 
     # --- run ----------------------------------------------------------------------------------------------
@@ -442,7 +466,10 @@ class _AttentionWrapper(FlashInferAliases):
         vs, vt = split_scale(v_scale)
         if out is None:
             out, lse_ = torch.ops.attnjit.batch_run(self._handle, q, k, v, return_lse or lse is not None, ks, vs, kt, vt)
-            if lse is not None:
+            if lse is not None:   # as check_q_out: the op's lse has the plan's shape; a copy would convert
+                if lse.dtype != lse_.dtype or lse.shape != lse_.shape or lse.device != lse_.device:
+                    raise ValueError(f"run(): lse must be {lse_.dtype} {list(lse_.shape)} on {lse_.device}, as "
+                                     f"planned; got {lse.dtype} {list(lse.shape)} on {lse.device}")
                 lse.copy_(lse_)
             else:
                 lse = lse_
@@ -453,20 +480,21 @@ class _AttentionWrapper(FlashInferAliases):
         return guard(type(self), (out, lse) if return_lse else out, q, k, v, k_scale, v_scale)
 
     def _launch_run(self, plan: Plan, q, out, lse, return_lse: bool, k_scale, v_scale, k_ptr: int, v_ptr: int,
-                    stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False, kv_spans: tuple = ()):
+                    stride0: int, stride1: int, kv_rows: int = 0, paged: bool = False, kv_spans: tuple = (),
+                    variant_params: dict | None = None):
         """run()'s common tail once the KV operand is checked: q/out/lse, the dequantization scales, the launch.
         kv_rows: the KV operand's pages (paged) or tokens (ragged), for its TMA descriptors; kv_spans: its
         ((name, byte_span), ...), which a caller's out and lse may not touch."""
         given = out is not None or lse is not None
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         ws = ("float_workspace_buffer", self._ws_span)
-        read = (("q", byte_span(q)),) + kv_spans
+        read = (("q", byte_span(q)),) + kv_spans + plan.read_spans + tensor_spans(variant_params, k_scale, v_scale)
         if given:   # (run()'s own out and lse are new allocations)
             check_written_apart(out, lse, read + (ws,))
         check_apart_from(ws, read)
         post = kv_scales(plan, self._device, k_scale, v_scale)
-        if paged and self._use_cuda_graph:  # every argument passed: this cache is what a replay reads (fast_plan)
-            self._graph_num_pages = kv_rows
+        if self._use_cuda_graph:  # every argument passed: what a replay reads and writes (fast_plan, re-plans)
+            self._replay.note_run(self._meta.capturing(), q.shape[0], kv_rows, paged)
         self._require_gpu(plan)
         launch(plan, q, qs, k_ptr, v_ptr, stride0, stride1, out, os_, lse, kv_rows)
         if plan.merge_table is not None:  # a deferred plan: the kernel wrote partial states only; merged into the
@@ -501,99 +529,3 @@ class _AttentionWrapper(FlashInferAliases):
         if not plan.on_gpu:
             raise NoGPUError(f"{type(self).__name__} was planned on {self._device}; kernels run on CUDA devices only "
                              "(plan() validates and schedules anywhere; run() needs a GPU workspace)")
-
-class _PagedMixin:
-    def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, q_scale=None, k_scale=None, v_scale=None, out=None,
-            lse=None, return_lse: bool = False, enable_pdl=None, window_left=None, sinks=None, **variant_params: Any):
-        """q: [nnz_qo, H_q, D] (decode: [batch, H_q, D]) -> out of that shape, and lse [nnz_qo, H_q] (base 2) with
-        return_lse. paged_kv_cache: one [P, 2, ...] tensor or a (k, v) tuple in the wrapper's layout, of the plan's
-        kv_data_type. The wrapper's variant takes its parameters here by name (``run(q, kv, cap=30.0)``). A caller's
-        out and lse may not share memory with the cache or with each other (a ValueError).
-
-        k_scale / v_scale: the cache's dequantization scales (keys are k_scale * k, values v_scale * v), each a
-        positive float (graph friendly: no device read) or, for an fp8 plan, a float32 [H_kv] tensor of per-KV-head
-        scales on the device. As in FlashInfer they apply to any plan: k_scale multiplies the logits (lse included),
-        v_scale the output (not lse); on a 16-bit plan a float v_scale is an in-place multiply of the output after
-        the kernel, as FlashInfer does it. enable_pdl (FlashInfer's) is accepted and changes nothing: attnjit's
-        kernels launch without programmatic dependent launch (benchmarks/RESULTS.md, eighteenth session)."""
-        if args:
-            raise TypeError(f"run() takes q and paged_kv_cache positionally; got {len(args)} more positional arguments")
-        if enable_pdl is not None:
-            P.as_flag("enable_pdl", enable_pdl)
-        if q_scale is not None:
-            unsupported(q_scale=q_scale)
-        variant_params = with_sinks(self._plan, variant_params, sinks)
-        if torch.compiler.is_compiling():
-            if window_left is not None:
-                raise NotImplementedError("run(window_left=...) inside torch.compile: pass window_left to plan()")
-            k, v = (paged_kv_cache, None) if isinstance(paged_kv_cache, torch.Tensor) else paged_kv_cache
-            return self._run_compiled(q, k, v, out, lse, return_lse, variant_params, k_scale, v_scale)
-        plan = self._current_plan(variant_params, return_lse, lse)
-        planned = plan.binding.bound.get("window_left", -1)
-        if window_left is not None and P.as_int("window_left", window_left) != planned:
-            raise ValueError(f"run(window_left={window_left}) differs from the plan's window "
-                             f"({planned}); pass window_left to plan()")
-        cache = self._check_cache(plan, paged_kv_cache)
-        result = self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, cache.k_ptr, cache.v_ptr,
-                                  cache.stride_page, cache.stride_inner, cache.num_pages, paged=True,
-                                  kv_spans=cache.spans)
-        return guard(type(self), result, q, paged_kv_cache, variant_params, k_scale, v_scale)
-
-    _op_kind = "paged"
-
-    def _check_cache(self, plan: Plan, paged_kv_cache) -> PagedCache:
-        memo = self._cache_memo  # the same cache object as last run(): skip re-deriving its views, unless its
-        # memory moved under it (``cache.data = ...``, ``set_``, ``resize_`` keep the object): then the old pointers
-        # would read freed memory
-        tensor = isinstance(paged_kv_cache, torch.Tensor)  # a tuple is rebuilt by the caller each time: not memoized
-        memory = (paged_kv_cache.data_ptr(), paged_kv_cache.shape, paged_kv_cache.stride(),
-                  paged_kv_cache.dtype) if tensor else None
-        if memo is not None and memo[0] is paged_kv_cache and memo[1] is plan and memo[3] == memory:
-            return memo[2]
-        cache = unpack_paged_cache("paged_kv_cache", paged_kv_cache, self._kv_layout)
-        if cache.k.dtype != plan.kv_dtype or cache.k.device != self._device or cache.page_size != plan.page_size \
-                or cache.num_kv_heads != plan.num_kv_heads or cache.head_dim != plan.head_dim:
-            raise ValueError(
-                f"run(): paged_kv_cache must be {plan.kv_dtype} on {self._device} with page_size={plan.page_size}, "
-                f"H_kv={plan.num_kv_heads}, D={plan.head_dim} ({self._kv_layout}), as planned; got {cache.k.dtype} on "
-                f"{cache.k.device} with page_size={cache.page_size}, H_kv={cache.num_kv_heads}, D={cache.head_dim}")
-        if plan.max_page >= cache.num_pages:
-            raise ValueError(f"run(): the plan's page table uses page id {plan.max_page} but paged_kv_cache has "
-                             f"{cache.num_pages} pages")
-        if tensor:
-            self._cache_memo = (paged_kv_cache, plan, cache, memory)
-        return cache
-
-    def _read_paged(self, names: tuple[str, str, str], qo_indptr, indptr, indices, last_page_len,
-                    page_size: int) -> P.Batch:
-        """Check and read a page table (qo_indptr None: decode, one query row per request)."""
-        dev = self._device
-        n_indptr, n_indices, n_last = names
-        if qo_indptr is None:  # decode: the batch size is the page table's
-            P.check_meta(n_indptr, indptr, dev)
-            if indptr.numel() < 1:
-                raise ValueError(f"{n_indptr} must have batch_size + 1 >= 1 elements, got an empty tensor")
-            if indptr.numel() - 1 > P.MAX_QO_ROWS:   # one query row a request
-                raise ValueError(f"{n_indptr} gives a batch of {indptr.numel() - 1} requests, one query row each: more "
-                                 f"than one plan takes ({P.MAX_QO_ROWS} rows); plan fewer requests")
-            P.check_meta(n_last, last_page_len, dev, indptr.numel() - 1)
-            P.check_meta(n_indices, indices, dev)
-            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
-            kvp, last, *rng = self._meta.to_host(indptr, last_page_len, *(rng or ()))  # one copy of all device metadata
-            qo = np.arange(indptr.numel(), dtype=np.int64)
-        else:  # qo_indptr is read (and checked) first: it says how long the others must be
-            for name, t in (("qo_indptr", qo_indptr), (n_indptr, indptr), (n_indices, indices),
-                            (n_last, last_page_len)):
-                P.check_meta(name, t, dev)
-            rng = P.device_page_range(indices, indptr) if indices.device.type != "cpu" else None
-            qo_h, kvp, last, *rng = self._meta.to_host(qo_indptr, indptr, last_page_len, *(rng or ()))
-            batch = P.read_prefill(qo_h, kvp, indices, last, page_size=page_size, page_range=rng or None)
-            if batch is not None:   # the compiled reader: every rule holds
-                return batch
-            qo = P.read_qo_indptr("qo_indptr", qo_h)
-            P.check_meta(n_indptr, indptr, dev, len(qo))
-            P.check_meta(n_last, last_page_len, dev, len(qo) - 1)
-        return P.read_paged(names, qo, kvp, indices, last, page_size=page_size, page_range=rng or None)
-
-
-_PAGED_NAMES = ("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len")

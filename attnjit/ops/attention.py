@@ -32,7 +32,8 @@ from ._common import byte_span, check_tensor, check_vectors, unsupported
 from ._grad import guard
 from ._running import vector_ready
 from ._variants import with_sinks
-from ._wrapper import _PAGED_NAMES, _AttentionWrapper, _PagedMixin, _schedule
+from ._paged import _PAGED_NAMES, _PagedMixin
+from ._wrapper import _AttentionWrapper, _schedule
 
 
 class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
@@ -48,7 +49,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
                  variant: Variant | str | None = None, tile: str | None = None):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant, backend=backend, tile=tile)
-        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
+        # masks under graphs; FlashInfer's JIT variants (attnjit's are variant=): refused, never ignored
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args,
+                    jit_kwargs=jit_kwargs)
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, paged_kv_indptr_buf=paged_kv_indptr_buf,
                             paged_kv_last_page_len_buf=paged_kv_last_page_len_buf,
                             paged_kv_indices_buf=paged_kv_indices_buf)
@@ -105,6 +108,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant, backend=backend, tile=tile)
         self._use_tensor_cores = P.as_flag("use_tensor_cores", use_tensor_cores)
+        unsupported(jit_args=jit_args)   # FlashInfer's JIT variants (attnjit's are variant=): refused, never ignored
         self._graph_buffers(paged_kv_indptr_buffer=paged_kv_indptr_buffer,
                             paged_kv_last_page_len_buffer=paged_kv_last_page_len_buffer,
                             paged_kv_indices_buffer=paged_kv_indices_buffer)
@@ -171,7 +175,7 @@ class BatchDecodeWithPagedKVCacheWrapper(_PagedMixin, _AttentionWrapper):
         self._meta.refuse_capture("BatchDecodeWithPagedKVCacheWrapper.fast_plan()")
         if plan.on_gpu:  # host metadata, the common case: read, checked, scheduled and staged in one compiled call
             fast = self._meta.fast_decode(indptr, indices, last_page_len, page_size=plan.page_size, sched=plan.sched,
-                                          num_pages=self._graph_num_pages)
+                                          num_pages=self._replay.num_pages)
             if fast is not None:
                 plan.work, plan.max_page = fast
                 return
@@ -202,7 +206,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise ValueError(f"kv_layout={kv_layout!r} is not supported for ragged KV: k and v are [nnz_kv, H_kv, D]")
         super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, max_work_items=max_work_items,
                          variant=variant, backend=backend, tile=tile)
-        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)  # masks under graphs
+        # masks under graphs; FlashInfer's JIT variants (attnjit's are variant=): refused, never ignored
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args,
+                    jit_kwargs=jit_kwargs)
         self._graph_buffers(qo_indptr_buf=qo_indptr_buf, kv_indptr_buf=kv_indptr_buf)
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
@@ -265,7 +271,8 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
         spans = (("k", byte_span(k)), ("v", byte_span(v)))
         result = self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
-                                  k.stride(0), k.stride(1), k.shape[0], kv_spans=spans)
+                                  k.stride(0), k.stride(1), k.shape[0], kv_spans=spans,
+                                  variant_params=variant_params)
         return guard(type(self), result, q, k, v, variant_params, k_scale, v_scale)
 
     _op_kind = "ragged"

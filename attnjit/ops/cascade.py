@@ -89,6 +89,10 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         self._plan = None  # the last level's plan once planned (what forward() checks)
         self._side: dict = {}   # device -> the side stream run() runs the last level on, beside level 0
         self._overlapped = False  # whether the last run() did (tests and benchmarks read it)
+        # graph mode: level 0's _share_gpu as the first plan set it. A graph captured with level 0 beside the last
+        # level replays the two side by side, so every later plan keeps the last level unsplit (it then writes no
+        # workspace, where level 0's partial states lie)
+        self._graph_share: bool | None = None
 
     def _can_overlap(self, q: torch.Tensor) -> bool:
         """Whether run() runs level 0 beside the last level: level 0's plan is deferred and planned to share the GPU
@@ -143,15 +147,17 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         self._plan = None
         rows = None
         levels = list(enumerate(zip(self._batch_prefill_wrappers, *arrays)))
+        share = self._graph_share
         for i, (w, qo, kvp, idx, last) in levels[-1:] + levels[:-1]:   # the last level first: whether it splits
             if i == 0 and n > 1:  # decides whether level 0 runs beside it (then level 0 splits to half the GPU)
-                w._share_gpu = self._batch_prefill_wrappers[-1]._plan.work.chunk is None
+                w._share_gpu = share if share is not None else self._batch_prefill_wrappers[-1]._plan.work.chunk is None
+            keep_unsplit = {"disable_split_kv": True} if i == n - 1 and share else {}
             try:
                 w.plan(qo, kvp, idx, last, num_qo_heads, num_kv_heads, head_dim, page_size,
                        causal=causal if i == n - 1 else False, pos_encoding_mode=pos_encoding_mode,
                        use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
                        logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                       q_data_type=q_data_type, kv_data_type=kv_data_type, **kwargs)
+                       q_data_type=q_data_type, kv_data_type=kv_data_type, **{**kwargs, **keep_unsplit})
             except NotImplementedError as exc:
                 raise NotImplementedError(f"cascade level {i}: {exc}") from None
             except TypeError as exc:
@@ -163,6 +169,8 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
             elif w._plan.total_q != rows:
                 raise ValueError(f"qo_indptr_arr[{i}][-1]={w._plan.total_q} but qo_indptr_arr[{n - 1}][-1]={rows}: "
                                  "every level covers the same query rows")
+        if self._use_cuda_graph and n > 1 and share is None:
+            self._graph_share = self._batch_prefill_wrappers[0]._share_gpu
         dev = self._batch_prefill_wrappers[0]._device
         if n > 1 and self._batch_prefill_wrappers[0]._share_gpu and dev.type == "cuda" and dev not in self._side:
             self._side[dev] = torch.cuda.Stream(dev)   # made here: run() may be under graph capture

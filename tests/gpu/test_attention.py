@@ -310,6 +310,41 @@ def test_cuda_graph_prefill_replays_after_replan(workspace, family):
         assert_close(out_buf, ref, dtype, what=f"replay {step}")
 
 
+def test_cuda_graph_replan_that_does_not_fit_the_capture_is_refused_and_the_graph_still_replays():
+    """After a capture over 40 query rows: a re-plan of 24 rows replays into the first 24 (the rest untouched); one
+    of 48 rows (past the captured q and out) or with another sm_scale (which the captured struct carries) is refused
+    before anything is written, and the graph then still replays the 24-row plan right."""
+    ps, pool, dtype = 16, 400, torch.float16
+    cache = _graph_pool(ps, pool, dtype)
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, use_cuda_graph=True)
+    q_buf = torch.zeros(40, 32, 128, dtype=dtype, device=DEV)
+    out_buf = torch.zeros(40, 32, 128, dtype=dtype, device=DEV)
+
+    def plan(qo, kv, seed, **opts):
+        indptr, indices, last = page_tables(kv, ps, pool, seed=seed)
+        qo_indptr = [0, qo[0], qo[0] + qo[1], sum(qo)]
+        w.plan(i32(qo_indptr, DEV), i32(indptr, DEV), i32(indices, DEV), i32(last, DEV), 32, 8, 128, ps,
+               causal=True, q_data_type=dtype, **opts)
+        return qo_indptr, indptr, indices, last
+
+    plan((30, 1, 9), (30, 50, 900), 0)
+    graph = _replay(None, w, q_buf, cache, out_buf)
+    meta = plan((10, 4, 10), (700, 4, 10), 1)
+    q = torch.randn(40, 32, 128, generator=torch.Generator().manual_seed(7)).to(dtype).to(DEV)
+    q_buf.copy_(q)
+    for attempt in range(2):
+        _replay(graph, w, q_buf, cache, out_buf)
+        ref, _ = reference.batch_paged(q[:24], cache, *meta, page_size=ps, causal=True)
+        assert_close(out_buf[:24], ref, dtype, what=f"replay {attempt}")
+        assert torch.isnan(out_buf[24:].float()).all(), "the replay wrote rows past the plan's"
+        if attempt == 0:
+            with pytest.raises(ValueError, match="48 query rows but q and out of the captured run"):
+                plan((16, 16, 16), (16, 16, 16), 2)
+            with pytest.raises(ValueError, match="sm_scale"):
+                plan((10, 4, 10), (700, 4, 10), 1, sm_scale=0.05)
+
+
 def test_run_rejects_tensors_that_do_not_match_the_plan(workspace):
     b = make_paged((3, 1), (10, 5), page_size=16, num_qo_heads=32, num_kv_heads=8, head_dim=128,
                    dtype=torch.bfloat16, device=DEV, seed=5)

@@ -133,18 +133,19 @@ def test_a_cascade_captured_side_by_side_keeps_its_last_level_unsplit():
     w = attnjit.MultiLevelCascadeAttentionWrapper(2, _ws(), use_cuda_graph=True)
     hq, b, prefix = 32, 4, 64
 
-    def plan(suffix_pages: int):
+    def plan(suffix_pages: int, **opts):
         qo1 = i32(list(range(b + 1)))
         kv1 = i32([i * suffix_pages for i in range(b + 1)])
         idx1 = i32([prefix + j for j in range(b * suffix_pages)])
         w.plan([i32([0, b]), qo1], [i32([0, prefix]), kv1], [i32(list(range(prefix))), idx1],
-               [i32([16]), i32([16] * b)], hq, 8, D, 16, causal=True, q_data_type=F16)
+               [i32([16]), i32([16] * b)], hq, 8, D, 16, causal=True, q_data_type=F16, **opts)
         return w._batch_prefill_wrappers
 
     l0, last = plan(1)
     assert l0._share_gpu and last._plan.work.chunk is None
-    l0, last = plan(2000)
-    assert l0._share_gpu and last._plan.work.chunk is None, "the last level split under a side-by-side graph"
+    for split in ({}, {"fixed_split_size": 256}):   # a fixed split size would split it too
+        l0, last = plan(2000, **split)
+        assert l0._share_gpu and last._plan.work.chunk is None, "the last level split under a side-by-side graph"
     eager = attnjit.MultiLevelCascadeAttentionWrapper(2, _ws())   # without a graph the long suffix splits
     eager.plan([i32([0, b]), i32(list(range(b + 1)))], [i32([0, prefix]), i32([i * 2000 for i in range(b + 1)])],
                [i32(list(range(prefix))), i32([prefix + j for j in range(b * 2000)])], [i32([16]), i32([16] * b)],

@@ -151,7 +151,8 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
         for i, (w, qo, kvp, idx, last) in levels[-1:] + levels[:-1]:   # the last level first: whether it splits
             if i == 0 and n > 1:  # decides whether level 0 runs beside it (then level 0 splits to half the GPU)
                 w._share_gpu = share if share is not None else self._batch_prefill_wrappers[-1]._plan.work.chunk is None
-            keep_unsplit = {"disable_split_kv": True} if i == n - 1 and share else {}
+            # (fixed_split_size, a speed setting, gives way: it would split the level whatever disable_split_kv says)
+            keep_unsplit = {"disable_split_kv": True, "fixed_split_size": None} if i == n - 1 and share else {}
             try:
                 w.plan(qo, kvp, idx, last, num_qo_heads, num_kv_heads, head_dim, page_size,
                        causal=causal if i == n - 1 else False, pos_encoding_mode=pos_encoding_mode,

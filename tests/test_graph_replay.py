@@ -58,23 +58,35 @@ def _capturing(w, on: bool = True):
         del w._meta.capturing
 
 
-def test_the_replay_notes_the_captured_run_and_keeps_it():
+def test_the_replay_bounds_rows_by_the_captured_runs_and_pages_by_the_last_run_before_one():
     r = Replay()
-    r.note_run(False, 8, 16, paged=True)          # warm-up: noted while nothing is captured
-    r.check_batch(8, 0, 15, paged=True)
-    with pytest.raises(ValueError, match="9 query rows.*last run"):
-        r.check_batch(9, 0, 0, paged=True)
-    r.note_run(True, 6, 12, paged=True)           # the capture: what every replay reads
-    r.note_run(False, 100, 1000, paged=True)      # a later eager run does not loosen it
+    r.note_run(False, 8, 16, paged=True)          # warm-up: no graph yet, so no row bound; the cache's pages count
+    r.check_batch(1000, 0, 15, paged=True)
+    with pytest.raises(ValueError, match="page id 16 .* last run.* 16 pages"):
+        r.check_batch(8, 0, 16, paged=True)
+    r.note_run(True, 6, 12, paged=True)           # a capture: what every replay reads
+    r.note_run(True, 9, 30, paged=True)           # a second run in a capture: the smaller of each bound
+    r.note_run(False, 100, 1000, paged=True)      # a later eager run does not loosen them
     with pytest.raises(ValueError, match="7 query rows.*captured run"):
         r.check_batch(7, 0, 0, paged=True)
-    with pytest.raises(ValueError, match="page id 12 .* has 12 pages"):
+    with pytest.raises(ValueError, match="page id 12 .* captured run.* 12 pages"):
         r.check_batch(6, 0, 12, paged=True)
     r.check_batch(6, 0, 11, paged=True)
-    r.note_run(True, 20, 64, paged=False)          # a capture again (ragged): the newest capture counts
+    g = Replay()
+    g.note_run(True, 20, 64, paged=False)         # ragged: k's and v's rows
     with pytest.raises(ValueError, match="65 KV rows"):
-        r.check_batch(20, 65, -1, paged=False)
-    r.check_batch(20, 64, -1, paged=False)
+        g.check_batch(20, 65, -1, paged=False)
+    g.check_batch(20, 64, -1, paged=False)
+
+
+def test_before_a_capture_a_wrapper_may_grow():
+    """An engine warms up on a small batch, then plans its largest and captures: no graph exists to protect yet."""
+    w, _ = _paged(1)
+    _run(w, 2)
+    _plan_paged(w, 4)
+    _run(w, 8, capture=True)
+    with pytest.raises(ValueError, match="10 query rows"):
+        _plan_paged(w, 5)
 
 
 def test_a_replan_with_more_query_rows_than_the_captured_q_is_refused_and_changes_nothing():
@@ -116,14 +128,17 @@ def test_a_replan_that_changes_a_value_the_replay_carries_is_refused(first, seco
     assert w._plan is before
 
 
-def test_a_custom_mask_cannot_change_under_a_graph():
-    """The mask is a tensor the struct points at: a new plan's mask would never be read by the replay (and the
-    first one's would be freed under it)."""
+def test_a_custom_mask_is_refused_under_a_graph():
+    """The mask is a tensor the struct points at, made anew by each plan: a replay would read the captured plan's
+    (freed once a new plan replaces it), never the new one."""
     w = attnjit.BatchPrefillWithPagedKVCacheWrapper(_ws(), use_cuda_graph=True)
     args = (i32([0, 1, 2]), i32([0, 2, 4]), i32([0, 1, 2, 3]), i32([PS, PS]), H, H, D, PS)
-    w.plan(*args, custom_mask=torch.ones(16, dtype=torch.bool), q_data_type=F16)
-    with pytest.raises(ValueError, match="packed_custom_mask"):
+    with pytest.raises(NotImplementedError, match="custom_mask.*use_cuda_graph"):
         w.plan(*args, custom_mask=torch.ones(16, dtype=torch.bool), q_data_type=F16)
+    with pytest.raises(NotImplementedError, match="custom_mask.*use_cuda_graph"):
+        w.plan(*args, packed_custom_mask=torch.full((4,), 255, dtype=torch.uint8), q_data_type=F16)
+    attnjit.BatchPrefillWithPagedKVCacheWrapper(_ws()).plan(*args, custom_mask=torch.ones(16, dtype=torch.bool),
+                                                            q_data_type=F16)
 
 
 def test_a_cascade_captured_side_by_side_keeps_its_last_level_unsplit():
@@ -151,6 +166,29 @@ def test_a_cascade_captured_side_by_side_keeps_its_last_level_unsplit():
                [i32(list(range(prefix))), i32([prefix + j for j in range(b * 2000)])], [i32([16]), i32([16] * b)],
                hq, 8, D, 16, causal=True, q_data_type=F16)
     assert eager._batch_prefill_wrappers[-1]._plan.work.chunk is not None, "the test would not catch a split"
+
+
+def test_a_refused_cascade_replan_leaves_every_level_as_it_was():
+    """The levels are checked and staged first and committed together: a re-plan refused at level 0 (here: another
+    batch size than the graph's) leaves the last level's plan, which it would otherwise have rewritten, in place."""
+    w = attnjit.MultiLevelCascadeAttentionWrapper(2, _ws(), use_cuda_graph=True)
+    hq, b = 32, 4
+
+    def plan(prefix_groups: int, suffix_pages: int):
+        per = b // prefix_groups
+        qo0 = i32([g * per for g in range(prefix_groups + 1)])
+        kv0 = i32([g * 8 for g in range(prefix_groups + 1)])
+        w.plan([qo0, i32(list(range(b + 1)))], [kv0, i32([r * suffix_pages for r in range(b + 1)])],
+               [i32(list(range(8 * prefix_groups))), i32([100 + j for j in range(b * suffix_pages)])],
+               [i32([16] * prefix_groups), i32([16] * b)], hq, 8, D, 16, causal=True, q_data_type=F16)
+
+    plan(1, 2)
+    plans = [x._plan for x in w._batch_prefill_wrappers]
+    with pytest.raises(ValueError, match="cascade level 0: .*batch size"):
+        plan(2, 3)
+    assert [x._plan for x in w._batch_prefill_wrappers] == plans and w._plan is plans[-1]
+    plan(1, 3)
+    assert all(x._plan is not p for x, p in zip(w._batch_prefill_wrappers, plans))
 
 
 def test_tensors_the_kernel_reads_may_not_share_memory_with_what_it_writes():

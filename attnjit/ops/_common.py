@@ -103,12 +103,16 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 Span = tuple[str, tuple[int, int]]   # (name, byte_span)
 
 
-def plan_spans(bound: dict[str, Any], page_ids_ptr: int, used: int) -> tuple[Span, ...]:
-    """(name, byte_span) of what a plan's kernel reads besides q and the KV operand: the tensors plan() bound (a
-    caller's packed_custom_mask among them) and the page ids it reads (a caller's device tensor, unless copied)."""
+def plan_spans(bound: dict[str, Any], page_ids: torch.Tensor | None, used: int,
+               fixed_ids: torch.Tensor | None) -> tuple[Span, ...]:
+    """(name, byte_span) of what a plan's kernel reads besides q and the KV operand and a caller may hold: the
+    tensors plan() bound (a packed_custom_mask), device page ids (read where they lie) and graph mode's fixed
+    page-id buffer (an engine's, where it passed one). Host page ids are copied into the wrapper's own memory."""
     out = tuple((f"plan()'s {n}", byte_span(t)) for n, t in bound.items() if isinstance(t, torch.Tensor))
-    if page_ids_ptr and used:
-        out += (("the plan's page ids", (page_ids_ptr, page_ids_ptr + 4 * used)),)
+    if fixed_ids is not None:
+        out += (("the fixed page-id buffer", byte_span(fixed_ids)),)
+    elif page_ids is not None and page_ids.device.type != "cpu" and used:   # (the whole tensor: no slicing)
+        out += (("the plan's page ids", byte_span(page_ids)),)
     return out
 
 
@@ -153,13 +157,13 @@ def check_written_apart(out: torch.Tensor, lse: torch.Tensor | None, read: tuple
                              f"{name} of its own")
 
 
-def check_apart_from(written: Span, read: tuple[Span, ...]) -> None:
+def check_apart_from(written: Span, read: tuple[Span, ...], where: str = "run()") -> None:
     """run()'s inputs ((name, byte_span) of q and the KV operand) share no byte with the workspace its kernels write
     partial states into (``written``): a q or cache carved out of float_workspace_buffer would be overwritten."""
     found = first_shared(read, (written,))
     if found:
         (other, (olo, ohi)), (name, (lo, hi)) = found
-        raise ValueError(f"run(): {other} shares memory with {name} (bytes {olo:#x}..{ohi:#x} and {lo:#x}..{hi:#x})"
+        raise ValueError(f"{where}: {other} shares memory with {name} (bytes {olo:#x}..{ohi:#x} and {lo:#x}..{hi:#x})"
                          f"; the kernels write partial states into {name}: give {other} memory of its own")
 
 

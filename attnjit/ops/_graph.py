@@ -14,36 +14,42 @@ from typing import Any
 
 
 class Replay:
-    """The operands a wrapper's replays read and write: those of the last run() captured into a graph, else (no
-    capture yet) of the last run(), since an engine warms up eagerly and then captures."""
+    """What a wrapper's replays read and write: the operands of the runs captured into graphs (the smallest of each,
+    since every captured graph replays the current plan). Before any capture only the cache's pages of the last
+    run() count (the page bound fast_plan() checks against): there is no replay to keep within rows yet, and an
+    eager run() checks q, out and k/v against its own plan."""
 
     def __init__(self) -> None:
         self.num_pages: int | None = None   # pages of the paged cache
-        self.q_rows: int | None = None      # rows of q, out and lse
-        self.kv_rows: int | None = None     # rows of a ragged k and v
+        self.q_rows: int | None = None      # rows of q, out and lse (captured runs only)
+        self.kv_rows: int | None = None     # rows of a ragged k and v (captured runs only)
         self.captured = False
 
     def note_run(self, capturing: bool, q_rows: int, kv_rows: int, paged: bool) -> None:
-        """A run() in graph mode: ``kv_rows`` is the cache's pages (paged) or k's rows (ragged)."""
-        if capturing or not self.captured:
-            self.captured = self.captured or capturing
-            self.q_rows = q_rows
+        """A run() in graph mode: ``kv_rows`` is the cache's pages (paged) or the fewer of k's and v's rows
+        (ragged)."""
+        if capturing:
+            first = not self.captured
+            self.captured = True
+            self.q_rows = q_rows if first else min(self.q_rows, q_rows)
             if paged:
-                self.num_pages, self.kv_rows = kv_rows, None
+                self.num_pages = kv_rows if first or self.num_pages is None else min(self.num_pages, kv_rows)
             else:
-                self.num_pages, self.kv_rows = None, kv_rows
+                self.kv_rows = kv_rows if first or self.kv_rows is None else min(self.kv_rows, kv_rows)
+        elif not self.captured and paged:
+            self.num_pages = kv_rows
 
     def check_batch(self, total_q: int, total_kv: int, max_page: int, paged: bool) -> None:
         """A new plan's sizes against what a replay reads and writes."""
-        what = "captured" if self.captured else "last"
         if self.q_rows is not None and total_q > self.q_rows:
-            raise ValueError(f"use_cuda_graph: this plan has {total_q} query rows but q and out of the {what} run() "
+            raise ValueError(f"use_cuda_graph: this plan has {total_q} query rows but q and out of the captured run() "
                              f"(what a replay reads and writes) have {self.q_rows}; plan and capture with the "
                              "largest batch first, or use one wrapper per size")
         if not paged and self.kv_rows is not None and total_kv > self.kv_rows:
-            raise ValueError(f"use_cuda_graph: this plan has {total_kv} KV rows but k and v of the {what} run() "
+            raise ValueError(f"use_cuda_graph: this plan has {total_kv} KV rows but k and v of the captured run() "
                              f"(what a replay reads) have {self.kv_rows}")
         if paged and self.num_pages is not None and max_page >= self.num_pages:
+            what = "captured" if self.captured else "last"
             raise ValueError(f"use_cuda_graph: the page table uses page id {max_page} but the cache of the {what} "
                              f"run() (what a replay reads) has {self.num_pages} pages")
 

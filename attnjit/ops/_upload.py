@@ -446,15 +446,22 @@ class MetadataBuffers:
             self.fixed_meta = torch.zeros(size, dtype=torch.int32, device=self.device)
             if own_ids:
                 self.fixed_page_ids = self.fixed_meta[self.ids_at:]
+        if page_ids is not None and self.fixed_page_ids is None:  # a first plan without page ids: a buffer of their own
+            self.fixed_page_ids = torch.zeros(max(2 * used, 64), dtype=torch.int32, device=self.device)
+        self.check_fits(items, tickets, page_ids is not None, used)
+
+    def check_fits(self, items: int, tickets: int, has_ids: bool, used: int) -> None:
+        """Graph mode: a plan's work list, split tickets and page ids fit the fixed buffers (once sized by a first
+        plan); checked before a plan writes anything."""
+        if has_ids:
+            fixed = self.fixed_page_ids
+            if fixed is not None and fixed.numel() < used:
+                raise ValueError(f"use_cuda_graph: the plan uses {used} page ids, more than the {fixed.numel()} of "
+                                 "the wrapper's fixed page-id buffer; pass a large enough paged_kv_indices buffer to "
+                                 "the constructor")
+        if self.caps is None:
+            return
         for what, need, have in (("work items", items, self.caps[0]), ("split tickets", tickets, self.caps[1])):
             if need > have:
                 raise ValueError(f"use_cuda_graph: this plan needs {need} {what} but the wrapper's fixed buffers hold "
                                  f"{have}; build the wrapper with a larger max_work_items")
-        if page_ids is not None:
-            fixed = self.fixed_page_ids
-            if fixed is None:  # a first plan without page ids: a buffer of their own
-                fixed = self.fixed_page_ids = torch.zeros(max(2 * used, 64), dtype=torch.int32, device=self.device)
-            if fixed.numel() < used:
-                raise ValueError(f"use_cuda_graph: the plan uses {used} page ids, more than the {fixed.numel()} of "
-                                 "the wrapper's fixed page-id buffer; pass a large enough paged_kv_indices buffer to "
-                                 "the constructor")

@@ -159,6 +159,9 @@ class _AttentionWrapper(FlashInferAliases):
         self._hold_merge = False
         self._held_scale: float | None = None
         self._table_buf: torch.Tensor | None = None       # graph mode: a deferred plan's merge table (_merge_table)
+        # the cascade: plan() checks and stages (self._staged: _commit's arguments) and writes nothing
+        self._hold_commit = False
+        self._staged: tuple | None = None
 
     def _graph_buffers(self, **buffers: torch.Tensor | None) -> None:
         """FlashInfer's fixed metadata buffers. The kernels read only the page ids through a fixed buffer (the
@@ -189,6 +192,10 @@ class _AttentionWrapper(FlashInferAliases):
     def _bind(self, batch: P.Batch, num_qo_heads: int, opts: P.PlanOptions, custom_mask=None,
               packed_custom_mask=None, *, head_dim: int, sinks: Any = False) -> Binding:
         """The wrapper's variant with the built-ins that FlashInfer's feature arguments ask for."""
+        if self._use_cuda_graph and (custom_mask is not None or packed_custom_mask is not None):
+            raise NotImplementedError("custom_mask / packed_custom_mask with use_cuda_graph=True: a replay reads the "
+                                      "mask the graph captured, and each plan makes its own (FlashInfer's "
+                                      "custom_mask_buf is not supported either); plan masked batches without a graph")
         return bind(user=self._variant, logits_soft_cap=opts.logits_soft_cap, window_left=opts.window_left,
                     pos_encoding_mode=opts.pos_encoding_mode, custom_mask=custom_mask,
                     packed_custom_mask=packed_custom_mask, qo_lens=batch.qo_lens, kv_lens=batch.kv_lens,
@@ -283,17 +290,31 @@ class _AttentionWrapper(FlashInferAliases):
                 self._check_merge_table(work.merge_table)
         if self._use_cuda_graph:
             plan.plan_values = values.copy()
-        if on_gpu:
-            ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=num_kv_heads,
-                                    page_ids=page_ids, used=batch.num_page_ids, keep=plan.keep)
+            self._meta.check_fits(len(work.records), work.num_groups * num_kv_heads, page_ids is not None,
+                                  batch.num_page_ids)
+        fixed_ids = self._meta.fixed_page_ids if self._use_cuda_graph else None
+        plan.read_spans = plan_spans(binding.bound, page_ids, batch.num_page_ids, fixed_ids)
+        check_apart_from(("float_workspace_buffer", self._ws_span), plan.read_spans, "plan()")
+        staged = (plan, prep, values, page_ids, batch.num_page_ids)
+        if self._hold_commit:   # the cascade: every level checked before any writes (_commit)
+            self._staged = staged
+            return
+        self._commit(*staged)
+
+    def _commit(self, plan: Plan, prep: _Prepared, values: list, page_ids: torch.Tensor | None, used: int) -> None:
+        """What a checked plan writes: its metadata (graph mode: into the fixed buffers a replay reads), its
+        parameter struct and merge table; then it is the wrapper's plan. Raises nothing a check could have said."""
+        work = plan.work
+        if plan.on_gpu:
+            ptr = self._meta.upload(work.records, num_groups=work.num_groups, num_kv_heads=plan.num_kv_heads,
+                                    page_ids=page_ids, used=used, keep=plan.keep)
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = _NO_POINTERS
         self._fill_launch(plan, prep, ptr, values)
-        plan.read_spans = plan_spans(binding.bound, ptr.get("kv_indices", 0), batch.num_page_ids)
-        if work.merge_table is not None and on_gpu:
+        if work.merge_table is not None and plan.on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
         if self._use_cuda_graph and self._meta.batch is None:
-            self._meta.batch = size
+            self._meta.batch = plan.batch_size
         self._plan = plan
 
     def _merge_table(self, table: np.ndarray) -> torch.Tensor:
@@ -488,9 +509,11 @@ class _AttentionWrapper(FlashInferAliases):
         given = out is not None or lse is not None
         out, lse, qs, os_ = check_q_out(plan, self._device, q, out, lse, return_lse)
         ws = ("float_workspace_buffer", self._ws_span)
-        read = (("q", byte_span(q)),) + kv_spans + plan.read_spans + tensor_spans(variant_params, k_scale, v_scale)
-        if given:   # (run()'s own out and lse are new allocations)
-            check_written_apart(out, lse, read + (ws,))
+        read = (("q", byte_span(q)),) + kv_spans
+        if variant_params or k_scale is not None or v_scale is not None:   # tensors among them
+            read += tensor_spans(variant_params, k_scale, v_scale)
+        if given:   # (run()'s own out and lse are new allocations; plan() kept read_spans off the workspace)
+            check_written_apart(out, lse, read + plan.read_spans + (ws,))
         check_apart_from(ws, read)
         post = kv_scales(plan, self._device, k_scale, v_scale)
         if self._use_cuda_graph:  # every argument passed: what a replay reads and writes (fast_plan, re-plans)

@@ -271,7 +271,7 @@ class BatchPrefillWithRaggedKVCacheWrapper(_AttentionWrapper):
             raise ValueError(f"run(): k and v must have the same strides; got {k.stride()} and {v.stride()}")
         spans = (("k", byte_span(k)), ("v", byte_span(v)))
         result = self._launch_run(plan, q, out, lse, return_lse, k_scale, v_scale, k.data_ptr(), v.data_ptr(),
-                                  k.stride(0), k.stride(1), k.shape[0], kv_spans=spans,
+                                  k.stride(0), k.stride(1), min(k.shape[0], v.shape[0]), kv_spans=spans,
                                   variant_params=variant_params)
         return guard(type(self), result, q, k, v, variant_params, k_scale, v_scale)
 

@@ -144,47 +144,76 @@ class MultiLevelCascadeAttentionWrapper(FlashInferAliases):
             value = kwargs.get(key)   # "is": a tensor compared with == is elementwise
             if not (value is None or isinstance(value, (bool, np.bool_)) and not value):
                 raise NotImplementedError(f"{key} is not supported by the cascade wrapper")
-        self._plan = None
-        rows = None
-        levels = list(enumerate(zip(self._batch_prefill_wrappers, *arrays)))
-        share = self._graph_share
-        for i, (w, qo, kvp, idx, last) in levels[-1:] + levels[:-1]:   # the last level first: whether it splits
-            if i == 0 and n > 1:  # decides whether level 0 runs beside it (then level 0 splits to half the GPU)
-                w._share_gpu = share if share is not None else self._batch_prefill_wrappers[-1]._plan.work.chunk is None
-            # (fixed_split_size, a speed setting, gives way: it would split the level whatever disable_split_kv says)
-            keep_unsplit = {"disable_split_kv": True, "fixed_split_size": None} if i == n - 1 and share else {}
-            try:
-                w.plan(qo, kvp, idx, last, num_qo_heads, num_kv_heads, head_dim, page_size,
-                       causal=causal if i == n - 1 else False, pos_encoding_mode=pos_encoding_mode,
-                       use_fp16_qk_reduction=use_fp16_qk_reduction, sm_scale=sm_scale, window_left=window_left,
-                       logits_soft_cap=logits_soft_cap, rope_scale=rope_scale, rope_theta=rope_theta,
-                       q_data_type=q_data_type, kv_data_type=kv_data_type, **{**kwargs, **keep_unsplit})
-            except NotImplementedError as exc:
-                raise NotImplementedError(f"cascade level {i}: {exc}") from None
-            except TypeError as exc:
-                raise TypeError(f"cascade level {i}: {exc}") from None
-            except ValueError as exc:
-                raise ValueError(f"cascade level {i}: {exc}") from None
-            if rows is None:
-                rows = w._plan.total_q
-            elif w._plan.total_q != rows:
-                raise ValueError(f"qo_indptr_arr[{i}][-1]={w._plan.total_q} but qo_indptr_arr[{n - 1}][-1]={rows}: "
-                                 "every level covers the same query rows")
-        if self._use_cuda_graph and n > 1 and share is None:
-            self._graph_share = self._batch_prefill_wrappers[0]._share_gpu
-        dev = self._batch_prefill_wrappers[0]._device
-        if n > 1 and self._batch_prefill_wrappers[0]._share_gpu and dev.type == "cuda" and dev not in self._side:
+        # every level is checked and staged first (plan() of a level that holds its commit writes nothing), then
+        # all are committed: a refused level leaves every level's plan, and a captured graph's buffers, as they were
+        wrappers = self._batch_prefill_wrappers
+        w0, share_before = wrappers[0], wrappers[0]._share_gpu
+        try:
+            staged = self._stage(arrays, share=self._graph_share, args=(num_qo_heads, num_kv_heads, head_dim,
+                                 page_size), opts=dict(
+                causal=causal, pos_encoding_mode=pos_encoding_mode, use_fp16_qk_reduction=use_fp16_qk_reduction,
+                sm_scale=sm_scale, window_left=window_left, logits_soft_cap=logits_soft_cap, rope_scale=rope_scale,
+                rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type, **kwargs))
+        except BaseException:
+            w0._share_gpu = share_before
+            raise
+        for w, st in zip(wrappers, staged):
+            w._commit(*st)
+        if self._use_cuda_graph and n > 1 and self._graph_share is None:
+            self._graph_share = w0._share_gpu
+        dev = w0._device
+        if n > 1 and w0._share_gpu and dev.type == "cuda" and dev not in self._side:
             self._side[dev] = torch.cuda.Stream(dev)   # made here: run() may be under graph capture
-        last_plan = self._batch_prefill_wrappers[-1]._plan
+        last_plan = wrappers[-1]._plan
         shape, dt = last_plan.q_shape, last_plan.o_dtype
         if len(self._scratch) != n - 1 or any(o.shape != shape or o.dtype != dt for o, _ in self._scratch):
-            if self._use_cuda_graph and self._scratch:
-                raise ValueError(f"use_cuda_graph: this plan has {shape[0]} query rows ({dt}) but the graph was "
-                                 f"planned for {self._scratch[0][0].shape[0]} ({self._scratch[0][0].dtype})")
-            dev = self._batch_prefill_wrappers[0]._device
             self._scratch = [(torch.empty(shape, dtype=dt, device=dev),
                               torch.empty(shape[:2], dtype=torch.float32, device=dev)) for _ in range(n - 1)]
         self._plan = last_plan
+
+    def _stage(self, arrays: list, *, share: bool | None, args: tuple, opts: dict) -> list[tuple]:
+        """Every level's plan checked and staged (its _commit arguments), the last level first: whether it splits
+        decides whether level 0 runs beside it (then level 0 splits to half the GPU). Writes nothing."""
+        n = self._num_levels
+        wrappers = self._batch_prefill_wrappers
+        levels = list(enumerate(zip(wrappers, *arrays)))
+        staged: list = [None] * n
+        rows = None
+        for w in wrappers:
+            w._hold_commit = True
+        try:
+            for i, (w, qo, kvp, idx, last) in levels[-1:] + levels[:-1]:
+                if i == 0 and n > 1:
+                    w._share_gpu = share if share is not None else staged[-1][0].work.chunk is None
+                # graph mode, level 0 captured beside the last level: that level stays unsplit (it then writes no
+                # workspace, where level 0's partial states lie); fixed_split_size, a speed setting, gives way
+                keep_unsplit = {"disable_split_kv": True, "fixed_split_size": None} if i == n - 1 and share else {}
+                try:
+                    w.plan(qo, kvp, idx, last, *args, **{**opts, "causal": opts["causal"] if i == n - 1 else False,
+                                                         **keep_unsplit})
+                except NotImplementedError as exc:
+                    raise NotImplementedError(f"cascade level {i}: {exc}") from None
+                except TypeError as exc:
+                    raise TypeError(f"cascade level {i}: {exc}") from None
+                except ValueError as exc:
+                    raise ValueError(f"cascade level {i}: {exc}") from None
+                staged[i] = w._staged
+                total_q = staged[i][0].total_q
+                if rows is None:
+                    rows = total_q
+                elif total_q != rows:
+                    raise ValueError(f"qo_indptr_arr[{i}][-1]={total_q} but qo_indptr_arr[{n - 1}][-1]={rows}: "
+                                     "every level covers the same query rows")
+        finally:
+            for w in wrappers:
+                w._hold_commit, w._staged = False, None
+        last_plan = staged[-1][0]
+        if self._use_cuda_graph and self._scratch and (self._scratch[0][0].shape != last_plan.q_shape
+                                                       or self._scratch[0][0].dtype != last_plan.o_dtype):
+            o = self._scratch[0][0]
+            raise ValueError(f"use_cuda_graph: this plan has {last_plan.total_q} query rows ({last_plan.o_dtype}) "
+                             f"but the graph was planned for {o.shape[0]} ({o.dtype})")
+        return staged
 
     def run(self, q: torch.Tensor, paged_kv_cache, *args: Any, out: torch.Tensor | None = None,
             lse: torch.Tensor | None = None, return_lse: bool = False, **kwargs: Any):

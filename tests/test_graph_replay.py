@@ -218,6 +218,17 @@ def test_tensors_the_kernel_reads_may_not_share_memory_with_what_it_writes():
         w8.run(q, c8, out=out, lse=lse, v_scale=ws.view(torch.float32)[64:64 + H])
 
 
+def test_a_mask_inside_the_workspace_is_refused_at_plan():
+    """A packed_custom_mask carved out of float_workspace_buffer would be overwritten by partial states while the
+    kernel reads it: refused when plan() binds it, before any run()."""
+    ws = _ws(16)
+    w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws)
+    args = (i32([0, 1, 2]), i32([0, 2, 4]), i32([0, 1, 2, 3]), i32([PS, PS]), H, H, D, PS)
+    with pytest.raises(ValueError, match="plan\\(\\)'s packed_custom_mask shares memory with float_workspace"):
+        w.plan(*args, packed_custom_mask=ws[1024:1026], q_data_type=F16)
+    w.plan(*args, packed_custom_mask=torch.full((2,), 255, dtype=torch.uint8), q_data_type=F16)
+
+
 @pytest.mark.parametrize("make", [
     lambda ws: attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, jit_args=["my_variant"]),
     lambda ws: attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, jit_kwargs={"x": 1}),

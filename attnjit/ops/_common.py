@@ -103,17 +103,12 @@ def byte_span(t: torch.Tensor) -> tuple[int, int]:
 Span = tuple[str, tuple[int, int]]   # (name, byte_span)
 
 
-def plan_spans(bound: dict[str, Any], page_ids: torch.Tensor | None, used: int,
-               fixed_ids: torch.Tensor | None) -> tuple[Span, ...]:
-    """(name, byte_span) of what a plan's kernel reads besides q and the KV operand and a caller may hold: the
-    tensors plan() bound (a packed_custom_mask), device page ids (read where they lie) and graph mode's fixed
-    page-id buffer (an engine's, where it passed one). Host page ids are copied into the wrapper's own memory."""
+def plan_spans(bound: dict[str, Any], page_ids: tuple[int, int] | None) -> tuple[Span, ...]:
+    """(name, byte_span) of what a plan's kernel reads besides q and the KV operand: the tensors plan() bound (a
+    caller's packed_custom_mask among them) and ``page_ids``, the bytes of the page ids it reads (a caller's device
+    tensor where the kernel reads it in place, else the wrapper's copy or graph mode's fixed buffer), if any."""
     out = tuple((f"plan()'s {n}", byte_span(t)) for n, t in bound.items() if isinstance(t, torch.Tensor))
-    if fixed_ids is not None:
-        out += (("the fixed page-id buffer", byte_span(fixed_ids)),)
-    elif page_ids is not None and page_ids.device.type != "cpu" and used:   # (the whole tensor: no slicing)
-        out += (("the plan's page ids", byte_span(page_ids)),)
-    return out
+    return out + (("the plan's page ids", page_ids),) if page_ids is not None else out
 
 
 def tensor_spans(params: dict | None, k_scale: Any, v_scale: Any) -> tuple[Span, ...]:

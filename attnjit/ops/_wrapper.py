@@ -292,9 +292,11 @@ class _AttentionWrapper(FlashInferAliases):
             plan.plan_values = values.copy()
             self._meta.check_fits(len(work.records), work.num_groups * num_kv_heads, page_ids is not None,
                                   batch.num_page_ids)
-        fixed_ids = self._meta.fixed_page_ids if self._use_cuda_graph else None
-        plan.read_spans = plan_spans(binding.bound, page_ids, batch.num_page_ids, fixed_ids)
-        check_apart_from(("float_workspace_buffer", self._ws_span), plan.read_spans, "plan()")
+        # what of the caller's the kernel will read, off the workspace it writes: bound tensors, and device page ids
+        # outside graph mode (read in place; graph mode copies them into its fixed buffer)
+        in_place = page_ids is not None and page_ids.device.type != "cpu" and not self._use_cuda_graph
+        check_apart_from(("float_workspace_buffer", self._ws_span),
+                         plan_spans(binding.bound, byte_span(page_ids) if in_place else None), "plan()")
         staged = (plan, prep, values, page_ids, batch.num_page_ids)
         if self._hold_commit:   # the cascade: every level checked before any writes (_commit)
             self._staged = staged
@@ -311,6 +313,12 @@ class _AttentionWrapper(FlashInferAliases):
         else:  # the parameter struct is still built (and checked) where there is no GPU: pointers stay 0
             ptr = _NO_POINTERS
         self._fill_launch(plan, prep, ptr, values)
+        # what run() keeps out and lse apart from: the page ids where the kernel reads them (alive as long as the
+        # plan: kept by it, or graph mode's fixed buffer, whole, since fast_plan() rewrites it)
+        ids = ptr.get("kv_indices", 0)
+        fixed = self._meta.fixed_page_ids if self._use_cuda_graph else None
+        span = byte_span(fixed) if fixed is not None and ids else (ids, ids + 4 * used) if ids and used else None
+        plan.read_spans = plan_spans(plan.binding.bound, span)
         if work.merge_table is not None and plan.on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
         if self._use_cuda_graph and self._meta.batch is None:

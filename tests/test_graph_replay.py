@@ -128,6 +128,19 @@ def test_a_replan_that_changes_a_value_the_replay_carries_is_refused(first, seco
     assert w._plan is before
 
 
+def test_a_rope_replan_keeps_its_table_however_many_configurations_the_process_saw():
+    """ROPE_LLAMA's frequency table is a tensor the struct points at, memoized per configuration: a graph-mode
+    re-plan must find the same tensor even after the process has made tables for 100 other configurations (the memo
+    used to be cleared past 64, handing the re-plan a new tensor, which the graph check refuses)."""
+    opts = dict(pos_encoding_mode="ROPE_LLAMA", rope_scale=1.0, rope_theta=1e4)
+    w, n = _paged(2, **opts)
+    eager = attnjit.BatchPrefillWithPagedKVCacheWrapper(_ws(16))
+    for theta in range(100):
+        eager.plan(i32([0, 1, 2]), i32([0, 2, 4]), i32([0, 1, 2, 3]), i32([PS, PS]), H, H, D, PS, q_data_type=F16,
+                   pos_encoding_mode="ROPE_LLAMA", rope_theta=2e4 + theta)
+    _plan_paged(w, 2, **opts)
+
+
 def test_a_custom_mask_is_refused_under_a_graph():
     """The mask is a tensor the struct points at, made anew by each plan: a replay would read the captured plan's
     (freed once a new plan replaces it), never the new one."""

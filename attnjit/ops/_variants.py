@@ -77,9 +77,9 @@ def _rope_freqs(head_dim: int, rope_scale: float, rope_theta: float, device: tor
     key = (head_dim, rope_scale, rope_theta, device)
     freqs = _FREQS.get(key)
     if freqs is None:
-        if len(_FREQS) > 64:
-            _FREQS.clear()
-        freqs = _FREQS[key] = _on_device(V.rope_freqs(head_dim, rope_scale, rope_theta), torch.float32, device)
+        freqs = _on_device(V.rope_freqs(head_dim, rope_scale, rope_theta), torch.float32, device)
+        if len(_FREQS) < 64:   # the first 64 configurations keep their table for good: a graph-mode re-plan finds
+            _FREQS[key] = freqs   # the very tensor its captured struct points at (clearing would hand it a new one)
     return freqs
 
 

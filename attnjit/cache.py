@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from filelock import FileLock, Timeout
 
-from . import knobs
+from . import cache_tag, knobs
 from .build import (CUBIN, SOURCE, STARTED, BuildEvent, Outcome, Target, first_error_line,  # noqa: F401 (SOURCE)
                     quiet_signals, restore_signals, run_ninja)
 from .errors import BuildSetupError, CacheError, CacheReadOnlyError, CompileError, LockTimeoutError, UnsafeCacheError
@@ -165,6 +165,7 @@ class Cache:
         except OSError as exc:
             raise CacheReadOnlyError(f"cannot create cache root {self.root}: {exc.strerror or exc}") from None
         self._check_safe(self.root, "cache root")
+        cache_tag.claim(self.root)   # a directory of the user's is refused before anything in it is touched
         for sub in (".tmp", ".locks", ".trash", "failed"):
             self._work_dir(sub)
 

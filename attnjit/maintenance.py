@@ -12,6 +12,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import cache_tag
 from .cache import CUBIN, Cache, dir_bytes, toolchain_id
 from .errors import CacheError, CacheReadOnlyError
 
@@ -88,6 +89,7 @@ def _remove(cache: Cache, doomed: list[Item], dry_run: bool) -> None:
         return
     if not cache.root_writable():
         raise CacheReadOnlyError(f"cache root {cache.root} is read-only; nothing was removed")
+    cache_tag.claim(cache.root, write=False)   # a directory of the user's: refused, nothing removed
     for item in doomed:
         cache.discard(item.dir)
     shutil.rmtree(cache.root / ".trash", ignore_errors=True)
@@ -100,6 +102,8 @@ def clear(cache: Cache, *, dry_run: bool = False) -> list[Item]:
     items = _items(cache)
     if not dry_run and not cache.root_writable():
         raise CacheReadOnlyError(f"cache root {cache.root} is read-only; nothing was removed")
+    if not dry_run:
+        cache_tag.claim(cache.root, write=False)
     _remove(cache, items, dry_run)
     if not dry_run:
         shutil.rmtree(cache.root / "failed", ignore_errors=True)

@@ -163,7 +163,7 @@ def test_a_new_root_is_created_private(tmp_path):
     cache = Cache(root, layers=())
     cache._ensure_root()
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
-    assert {p.name for p in root.iterdir()} == {".tmp", ".locks", ".trash", "failed"}
+    assert {p.name for p in root.iterdir()} == {".tmp", ".locks", ".trash", "failed", "CACHEDIR.TAG"}
 
 
 # --- lock timeout -----------------------------------------------------------------------------------------------

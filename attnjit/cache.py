@@ -474,7 +474,7 @@ class Cache:
         manifest = {
             "format": CACHE_FORMAT_VERSION,
             "key": job.key,
-            "label": job.label,
+            "label": "".join("?" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in job.label),  # as read back
             "meta": job.meta,
             "key_inputs": {"arch": job.arch, "flags": list(job.flags),
                            "source_sha256": hashlib.sha256(job.source.encode("utf-8")).hexdigest()},
@@ -482,7 +482,7 @@ class Cache:
                           "nvcc": str(tool.path)},
             "cubin_sha256": hashlib.sha256(image).hexdigest(),
             "cubin_bytes": len(image),
-            "compile_seconds": round(seconds, 3),
+            "compile_seconds": round(min(max(seconds, 0.0), 1e7), 3),   # a clock step mid-build: still readable
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "python": sys.version.split()[0],
         }

@@ -84,10 +84,14 @@ def _printable_fields(manifest: dict) -> str | None:
     if not sane:
         return "manifest.json compile_seconds is not a duration of 0 to 1e7 seconds"
     for name in ("label", "created"):
-        text = manifest.get(name, "")
-        if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text):
+        if any(map(_control, manifest.get(name, ""))):
             return f"manifest.json {name} holds control characters"
     return None
+
+
+def _control(c: str) -> bool:
+    """A control character (C0, DEL, C1): what a printed manifest field may not hold."""
+    return ord(c) < 32 or 127 <= ord(c) < 160
 
 
 def default_root() -> Path:
@@ -474,7 +478,7 @@ class Cache:
         manifest = {
             "format": CACHE_FORMAT_VERSION,
             "key": job.key,
-            "label": "".join("?" if ord(c) < 32 or 127 <= ord(c) < 160 else c for c in job.label),  # as read back
+            "label": "".join("?" if _control(c) else c for c in job.label),  # printable, as the reader asks
             "meta": job.meta,
             "key_inputs": {"arch": job.arch, "flags": list(job.flags),
                            "source_sha256": hashlib.sha256(job.source.encode("utf-8")).hexdigest()},

@@ -84,12 +84,15 @@ def _items(cache: Cache) -> list[Item]:
     return items
 
 
-def _remove(cache: Cache, doomed: list[Item], dry_run: bool) -> None:
-    if not doomed or dry_run:
-        return
+def _check_removable(cache: Cache) -> None:
+    """Before anything is removed: the root is writable and attnjit's own (a directory of the user's is refused)."""
     if not cache.root_writable():
         raise CacheReadOnlyError(f"cache root {cache.root} is read-only; nothing was removed")
-    cache_tag.claim(cache.root, write=False)   # a directory of the user's: refused, nothing removed
+    cache_tag.claim(cache.root, write=False)
+
+
+def _remove(cache: Cache, doomed: list[Item]) -> None:
+    """The doomed entries removed (the root checked by _check_removable)."""
     for item in doomed:
         cache.discard(item.dir)
     shutil.rmtree(cache.root / ".trash", ignore_errors=True)
@@ -100,12 +103,10 @@ def clear(cache: Cache, *, dry_run: bool = False) -> list[Item]:
     if not _root_exists(cache):
         return []
     items = _items(cache)
-    if not dry_run and not cache.root_writable():
-        raise CacheReadOnlyError(f"cache root {cache.root} is read-only; nothing was removed")
     if not dry_run:
-        cache_tag.claim(cache.root, write=False)
-    _remove(cache, items, dry_run)
-    if not dry_run:
+        _check_removable(cache)
+        if items:
+            _remove(cache, items)
         shutil.rmtree(cache.root / "failed", ignore_errors=True)
     return items
 
@@ -133,5 +134,7 @@ def prune(cache: Cache, max_bytes: int | None = None, *, built_by: str | None = 
                 break
             doomed.append(item)
             total -= item.size
-    _remove(cache, doomed, dry_run)
+    if doomed and not dry_run:
+        _check_removable(cache)
+        _remove(cache, doomed)
     return doomed, total

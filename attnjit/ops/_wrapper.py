@@ -315,9 +315,11 @@ class _AttentionWrapper(FlashInferAliases):
         self._fill_launch(plan, prep, ptr, values)
         # what run() keeps out and lse apart from: the page ids where the kernel reads them (alive as long as the
         # plan: kept by it, or graph mode's fixed buffer, whole, since fast_plan() rewrites it)
-        ids = ptr.get("kv_indices", 0)
-        fixed = self._meta.fixed_page_ids if self._use_cuda_graph else None
-        span = byte_span(fixed) if fixed is not None and ids else (ids, ids + 4 * used) if ids and used else None
+        ids, span = ptr.get("kv_indices", 0), None
+        if ids and self._use_cuda_graph:
+            span = byte_span(self._meta.fixed_page_ids)
+        elif ids and used:
+            span = (ids, ids + 4 * used)
         plan.read_spans = plan_spans(plan.binding.bound, span)
         if work.merge_table is not None and plan.on_gpu:
             plan.merge_table = self._merge_table(work.merge_table)
@@ -334,8 +336,7 @@ class _AttentionWrapper(FlashInferAliases):
             buf = torch.empty(table.shape, dtype=torch.int32, device=self._device)
             if self._use_cuda_graph:
                 self._table_buf = buf
-        self._check_merge_table(table)
-        buf.copy_(host, non_blocking=True)
+        buf.copy_(host, non_blocking=True)   # (graph mode: its shape checked before the plan wrote anything)
         return buf
 
     def _check_merge_table(self, table: np.ndarray) -> None:

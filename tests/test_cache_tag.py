@@ -59,3 +59,4 @@ def test_a_tagged_root_is_the_caches_whatever_else_it_holds(tmp_path):
     root = _project(tmp_path)
     (root / TAG).write_text(TAG_TEXT)
     Cache(root, layers=())._ensure_root()   # the tag says it is attnjit's: its contents are attnjit's to manage
+    assert all((root / sub).is_dir() for sub in (".tmp", ".locks", ".trash", "failed"))

@@ -138,7 +138,9 @@ def test_a_rope_replan_keeps_its_table_however_many_configurations_the_process_s
     for theta in range(100):
         eager.plan(i32([0, 1, 2]), i32([0, 2, 4]), i32([0, 1, 2, 3]), i32([PS, PS]), H, H, D, PS, q_data_type=F16,
                    pos_encoding_mode="ROPE_LLAMA", rope_theta=2e4 + theta)
+    before = w._plan
     _plan_paged(w, 2, **opts)
+    assert w._plan is not before and w._plan.plan_values == before.plan_values
 
 
 def test_a_custom_mask_is_refused_under_a_graph():

@@ -86,12 +86,20 @@ def _printable_fields(manifest: dict) -> str | None:
     for name in ("label", "created"):
         if any(map(_control, manifest.get(name, ""))):
             return f"manifest.json {name} holds control characters"
+    if any(map(_control, toolchain_id(manifest))):
+        return "manifest.json toolchain id holds control characters"
     return None
 
 
 def _control(c: str) -> bool:
     """A control character (C0, DEL, C1): what a printed manifest field may not hold."""
     return ord(c) < 32 or 127 <= ord(c) < 160
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters as ``?``: what the cache writes into the fields it prints, and how the
+    CLI prints text that comes from the disk (a bad entry's problem, a directory name)."""
+    return "".join("?" if _control(c) else c for c in text)
 
 
 def default_root() -> Path:
@@ -478,7 +486,7 @@ class Cache:
         manifest = {
             "format": CACHE_FORMAT_VERSION,
             "key": job.key,
-            "label": "".join("?" if _control(c) else c for c in job.label),  # printable, as the reader asks
+            "label": printable(job.label),  # printable, as the reader asks
             "meta": job.meta,
             "key_inputs": {"arch": job.arch, "flags": list(job.flags),
                            "source_sha256": hashlib.sha256(job.source.encode("utf-8")).hexdigest()},

@@ -265,6 +265,7 @@ def cmd_pack(args) -> int:
 
 
 def cmd_cache(args) -> int:
+    from .cache import printable
     from .maintenance import clear, format_size, prune
 
     cache = _cache(args)
@@ -276,12 +277,12 @@ def cmd_cache(args) -> int:
             total += size
             if entry is None:
                 bad += 1
-                rows.append((where != "root", "", key, f"{key[:16]}  BAD ({problem})  {where}"))
+                rows.append((where != "root", "", key, printable(f"{key[:16]}  BAD ({problem})  {where}")))
             else:
                 m = entry.manifest
-                rows.append((where != "root", m.get("label", "?"), key,
+                rows.append((where != "root", m.get("label", "?"), key, printable(
                              f"{key[:16]}  {m.get('label', '?'):<52} {size / 1024:8.1f} KiB  {entry.toolchain:<20} "
-                             f"{m.get('compile_seconds', 0):6.1f} s  {m.get('created', '?')}  {where}"))
+                             f"{m.get('compile_seconds', 0):6.1f} s  {m.get('created', '?')}  {where}")))
         for *_, line in sorted(rows, key=lambda r: r[:3]):  # the root first, then by label
             print(line)
         print(f"{len(rows)} entries, {format_size(total)}" + (f", {bad} bad" if bad else ""))
@@ -292,7 +293,7 @@ def cmd_cache(args) -> int:
             total += 1
             if entry is None:
                 bad += 1
-                print(f"BAD {cache.row_dir(base, key)}: {problem}")
+                print(printable(f"BAD {cache.row_dir(base, key)}: {problem}"))
         print(f"{total} entries checked, {bad} bad")
         return 1 if bad else 0
     verb = "would remove" if args.dry_run else "removed"

@@ -96,26 +96,33 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _path(raw: str) -> Path:
+    """A path; one of blanks only is refused (a stray space in a shell assignment, not a directory name)."""
+    if not raw.strip():
+        raise ValueError("expected a path, got only blanks")
+    return Path(raw).expanduser()
+
+
 def _path_list(raw: str) -> tuple[Path, ...]:
-    return tuple(Path(p).expanduser() for p in raw.split(":") if p)
+    return tuple(_path(p) for p in raw.split(":") if p)
 
 
 CACHE_DIR: Knob[Path | None] = Knob(
-    "ATTNJIT_CACHE_DIR", None, lambda s: Path(s).expanduser(),
+    "ATTNJIT_CACHE_DIR", None, _path,
     "writable cache root (default ~/.cache/attnjit); --cache-dir overrides it")
 CACHE_PATH: Knob[tuple[Path, ...]] = Knob(
     "ATTNJIT_CACHE_PATH", (), _path_list,
     "colon-separated read-only cache layers, searched after the root (a warmed image or shared mount)")
 NVCC: Knob[Path | None] = Knob(
-    "ATTNJIT_NVCC", None, lambda s: Path(s).expanduser(),
+    "ATTNJIT_NVCC", None, _path,
     "nvcc to build with; else $CUDA_HOME/bin/nvcc, else the nvcc on PATH")
 CUDA_HOME: Knob[Path | None] = Knob(
-    "CUDA_HOME", None, lambda s: Path(s).expanduser(), "CUDA toolkit root; its bin/nvcc is the second choice")
+    "CUDA_HOME", None, _path, "CUDA toolkit root; its bin/nvcc is the second choice")
 JIT: Knob[bool] = Knob(
     "ATTNJIT_JIT", True, _bool,
     "1 (default): build a kernel on a cache miss; 0 (strict mode): a miss raises CacheMissError")
 LOG: Knob[Path | None] = Knob(
-    "ATTNJIT_LOG", None, lambda s: Path(s).expanduser(),
+    "ATTNJIT_LOG", None, _path,
     "append one JSON line per kernel dispatch to this file")
 LOCK_TIMEOUT: Knob[float] = Knob(
     "ATTNJIT_LOCK_TIMEOUT", 900.0, _positive_float,

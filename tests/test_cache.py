@@ -443,7 +443,8 @@ def test_a_manifest_field_of_the_wrong_type_is_a_bad_entry(tmp_path, field, valu
     ("compile_seconds", "NaN", "compile_seconds is not a duration"),
     ("compile_seconds", "-3", "compile_seconds is not a duration"),
     ("label", json.dumps("x\nffffffffffffffff  totally-legit-kernel\u001b[31m"), "label holds control characters"),
-    ("created", json.dumps("2026\u009b"), "created holds control characters")])
+    ("created", json.dumps("2026\u009b"), "created holds control characters"),
+    ("toolchain", json.dumps({"id": "nvcc 13.0\nffffffffffffffff  forged-row"}), "toolchain id holds control")])
 def test_a_manifest_field_cache_list_cannot_print_is_a_bad_entry(tmp_path, field, raw, problem):
     """A layer's manifest with a number cache list cannot format, or a string that would forge its rows or send
     terminal escapes, is a bad entry (reported as such), not a traceback or a forged row."""

@@ -14,9 +14,10 @@ import time
 import pytest
 
 from attnjit import jit
-from attnjit.cache import BadEntryWarning, Cache
+from attnjit.cache import BadEntryWarning, Cache, Job
 from attnjit.errors import CacheError, CacheMissError, CacheReadOnlyError, LockTimeoutError, UnsafeCacheError
 from attnjit.specs import AttentionSpec
+from attnjit.toolchain import flags_for
 from tests.cpu_support import (APPEND_FP16, FAKE_NVCC, MERGE_BF16, MERGE_FP16, PREFILL_D64, REPO, TINY_SOURCE, cache_job,
                                entry_dir, flip_cubin_byte, holds_no_lock, parse_summary, snapshot)
 
@@ -268,6 +269,10 @@ def test_clear_and_prune_refuse_a_root_that_is_not_a_directory(tmp_path):
         with pytest.raises(CacheError, match=says):
             cache.prune(0)
     assert afile.read_text() == "not a cache"
+    # a build names it for what it is (it said "of an unknown file type")
+    with pytest.raises(CacheError, match=re.escape(f"{afile} is a regular file, not a directory")):
+        Cache(afile, layers=()).build([Job(source="//\n", flags=flags_for("sm_90a"), arch="sm_90a", label="x",
+                                           meta={})])
 
 
 def test_a_layer_that_is_the_root_is_dropped(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ variable, and any other os.environ mapping is read through its own get."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,17 @@ def test_a_bad_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("ATTNJIT_NUM_SMS", "-3")
     with pytest.raises(ValueError, match=r"ATTNJIT_NUM_SMS='-3' is invalid: expected a positive integer"):
         knobs.NUM_SMS.get()
+
+
+@pytest.mark.parametrize("knob", [knobs.CACHE_DIR, knobs.NVCC, knobs.CUDA_HOME, knobs.LOG, knobs.CACHE_PATH])
+def test_a_path_of_blanks_only_is_refused_not_taken_as_a_directory_named_by_a_space(monkeypatch, knob):
+    """``ATTNJIT_CACHE_DIR=" "`` (a stray space in a shell line) made a cache root named by a space in the working
+    directory."""
+    monkeypatch.setenv(knob.name, " " if knob is not knobs.CACHE_PATH else "/tmp/layer: ")
+    with pytest.raises(ValueError, match=rf"{knob.name}=.* is invalid: expected a path, got only blanks"):
+        knob.get()
+    monkeypatch.setenv(knob.name, "/tmp/ x")
+    assert str(knob.get()).endswith("/tmp/ x") or knob.get() == (Path("/tmp/ x"),)
 
 
 def test_a_replaced_environ_mapping_is_read_through_its_get(monkeypatch):

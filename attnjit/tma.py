@@ -4,8 +4,8 @@ A kernel that can copy Q, or K and V, with the tensor-memory accelerator reads a
 parameter struct (``sm90.PARAM_FIELDS``). run() describes each tensor here (``Copies.fill``): its address, its
 dims in memory order with their byte strides, and the box one copy reads; where the tensor meets every TMA rule
 the driver encodes it (``cuTensorMapEncodeTiled``, once per distinct tensor: kept by its description) and the run's
-``tma_flags`` say so; where not (a stride that is not a multiple of 16 bytes, dims that do not nest, an address
-off 16 bytes, no driver), the kernel copies that tensor with cp.async as it would without TMA. The same results
+``tma_flags`` say so; where not (a stride that is not a multiple of 16 bytes, dims that do not nest or overlap, an
+address off 16 bytes, no driver), the kernel copies that tensor with cp.async as it would without TMA. The same results
 either way: a test runs both (``ATTNJIT_TMA=0``).
 
 Dims (innermost first), as the kernel indexes them:
@@ -14,6 +14,10 @@ Dims (innermost first), as the kernel indexes them:
   k, v NHD  [pages, page, H_kv, D]    {D, H_kv, page, pages}, box {64, 1, rows, 1}
   k, v HND  [pages, H_kv, page, D]    {D, page, H_kv, pages}, box {64, rows, 1, 1}
   k, v      [nnz_kv, H_kv, D]         {D, H_kv, nnz_kv}, box {64, 1, rows}   (ragged)
+  k, v NHD, interleaved tiles (sm90.kv_interleaved: pages of 8k tokens smaller than the tile)
+            [pages, page, H_kv, D]    {64, 8, H_kv x D / 64, page / 8, pages}, box {64, 8, D / 64, page / 8, 1}
+            (dims 1 and 2 do not nest: a slot's 8 rows, then its 64-column blocks, so that a box lands as the
+            tile's 8-row groups with every column block; one box a page)
 Every box lands in the 128-byte swizzle, which is the layout the kernel's wgmma read.
 """
 
@@ -47,8 +51,9 @@ class MapArgs:
 
 
 def describe(dtype: int, elem: int, address: int, dims: tuple[int, ...], strides: tuple[int, ...],
-             box: tuple[int, ...], l2: int = _L2_128B) -> MapArgs | str:
-    """The descriptor's arguments (strides in elements, of dims 1..), or why the TMA unit cannot read this tensor."""
+             box: tuple[int, ...], l2: int = _L2_128B, nest: bool = True) -> MapArgs | str:
+    """The descriptor's arguments (strides in elements, of dims 1..), or why the TMA unit cannot read this tensor.
+    nest=False: the caller has checked that the dims address the tensor's own elements (kv_args, interleaved)."""
     if address % 16:
         return f"address {address:#x} is not 16-byte aligned"
     if any(d < 1 or d > 2 ** 32 for d in dims):
@@ -60,7 +65,7 @@ def describe(dtype: int, elem: int, address: int, dims: tuple[int, ...], strides
     for i, s in enumerate(byte_strides):
         if s % 16 or s >= 2 ** 40:
             return f"stride {s} B of dim {i + 1} is not a multiple of 16 below 2^40"
-        if s < extent:  # each dim's stride nests the dims below it (cuTensorMapEncodeTiled's rule)
+        if nest and s < extent:  # each dim's stride nests the dims below it
             return f"dims {dims} with byte strides {byte_strides} do not nest"
         extent = s * dims[i + 1]
     return MapArgs(dtype, address, dims, byte_strides, box, l2)
@@ -74,9 +79,18 @@ def q_args(q, dtype: str, group: int, cta_q: int) -> MapArgs | str:
 
 
 def kv_args(ptr: int, dtype: str, *, paged: bool, hnd: bool, rows: int, page_size: int, heads: int, head_dim: int,
-            stride0: int, stride1: int, box_rows: int) -> MapArgs | str:
+            stride0: int, stride1: int, box_rows: int, interleaved: bool = False) -> MapArgs | str:
     """k or v: rows = pages (paged) or tokens (ragged); stride0 / stride1 as the kernel's kv_stride_0 / _1."""
     code = _DTYPE[dtype]
+    if interleaved:  # paged NHD: a slot's heads x head_dim contiguous (the kernel's rule), slots stride1 apart
+        if not paged or hnd or head_dim % 64 or page_size % 8 or box_rows != page_size:
+            return f"no interleaved map for this cache (page {page_size}, box {box_rows}, {'HND' if hnd else 'NHD'})"
+        if stride1 < heads * head_dim or stride0 < page_size * stride1:
+            return f"slots {stride1} and pages {stride0} elements apart overlap [{page_size}, {heads}, {head_dim}]"
+        blocks = head_dim // 64
+        dims = (64, 8, heads * blocks, page_size // 8, rows)
+        return describe(code, 2, ptr, dims, (stride1, 64, 8 * stride1, stride0), (64, 8, blocks, page_size // 8, 1),
+                        _L2_256B, nest=False)
     if not paged and rows >= 2 ** 31:  # the kernel's token coordinate is an int32
         return f"{rows} ragged tokens: past the TMA coordinate's int32"
     if not paged:  # [tokens][H][D]: stride0 the token stride, stride1 the head stride
@@ -136,6 +150,7 @@ class Copies:
     o_box: tuple[int, int] | None = None
     o_dtype: str = ""          # the output's 16-bit element type
     v_gather: bool = False     # V gathered by cp.async where K comes by TMA (sm90.tma_v_gather): K's box only, "k"
+    interleaved: bool = False  # interleaved K/V tiles (sm90.kv_interleaved): the 5-D map, a box a page
     # the last runs' answers by their tensors' description (run() mostly repeats one): describing and looking up
     # three descriptors costs ~12 us of host a run, a hit ~1; the output's on its own
     memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -180,7 +195,8 @@ class Copies:
             qd = _encoded(q_args(q, self.dtype, *self.q_box))
         if on and self.kv_rows:
             kw: dict[str, Any] = dict(paged=self.paged, hnd=self.hnd, rows=rows, page_size=page_size, heads=heads,
-                                      head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows)
+                                      head_dim=head_dim, stride0=stride0, stride1=stride1, box_rows=self.kv_rows,
+                                      interleaved=self.interleaved)
             kd = _encoded(kv_args(k_ptr, self.dtype, **kw))
             # V gathered: the kernel reads K's descriptor only; else k and v share one flag (both by TMA or neither)
             vd = None if self.v_gather else _encoded(kv_args(v_ptr, self.dtype, **kw))

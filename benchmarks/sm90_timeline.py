@@ -173,8 +173,6 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             "ragged-box16": (("? Tr::PAGE_SIZE : Tr::CTA_KV;", "? Tr::PAGE_SIZE : 16;"),
                              ("c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0);",
                               "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
-            # v-tma: V by TMA too where tma_v_gather gathers it (the kernel before run 129): the A/B of the split
-            "v-tma": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !(IS_V && false)) {"),
             # k-gather: K gathered by the producer's cp.async too where V is (only Q and O by TMA): whether the TMA
             # unit's share of a multi-box tile still limits it
             "k-gather": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !tma_v_gather<Tr>()) {"),
@@ -186,6 +184,14 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # _POLY_EXP2 on the FMA pipe, not MUFU (the twenty-ninth session's poly_exp2, run 140) over the loop as
             # it is now; with --variant softcap: whether moving MUFU work off its pipe pays now that logits_scale
             # took an FMUL a logit out (NaN logits come out 0, not NaN: a what-if, not a kernel to keep)
+            # interleaved-kv: paged NHD K/V tiles interleaved, one TMA box a page with all of its 64-column blocks
+            # (Sm90Traits::KV_INTERLEAVED, off by default until it has run; the host's 5-D map too: _HOST_WHAT_IFS)
+            "interleaved-kv": ("constexpr bool kKvInterleave = false;", "constexpr bool kKvInterleave = true;"),
+            # v-box: V by TMA too, a box a page like K (tma_v_gather off on both sides: _HOST_WHAT_IFS; the kernel
+            # before run 129, whose host half the old what-if v-tma lacked); with interleaved-kv: the same over
+            # whole-page boxes (both what-ifs: --what-if interleaved-kv+v-box)
+            "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV;\n",
+                      "  return false;  // what-if v-box\n"),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
@@ -193,13 +199,23 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
 
 
+def _what_if(text: str) -> str:
+    """--what-if's value: a name of WHAT_IFS, or several joined by + (applied in that order)."""
+    bad = [n for n in text.split("+") if n not in WHAT_IFS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown what-if {bad[0]!r} (one of {', '.join(sorted(WHAT_IFS))}, or "
+                                         "several joined by +)")
+    return text
+
+
 def _patched(src: str, what_if: str) -> str:
-    pairs = WHAT_IFS[what_if]
-    for old, new in pairs if isinstance(pairs[0], tuple) else (pairs,):
-        if src.count(old) != 1:
-            raise SystemExit(f"sm90_timeline.py: --what-if {what_if}: its statement is not once in the kernel; "
-                             "update WHAT_IFS")
-        src = src.replace(old, new)
+    for name in what_if.split("+"):
+        pairs = WHAT_IFS[name]
+        for old, new in pairs if isinstance(pairs[0], tuple) else (pairs,):
+            if src.count(old) != 1:
+                raise SystemExit(f"sm90_timeline.py: --what-if {name}: its statement is not once in the kernel; "
+                                 "update WHAT_IFS")
+            src = src.replace(old, new)
     return src
 
 
@@ -211,7 +227,9 @@ def _box16(tma_boxes):
     return boxes
 
 
-_HOST_WHAT_IFS = {"ragged-box16": ("tma_boxes", _box16)}   # the host's half of a what-if: sm90.<name> wrapped
+_HOST_WHAT_IFS = {"ragged-box16": ("tma_boxes", _box16),   # the host's half of a what-if: sm90.<name> wrapped
+                  "interleaved-kv": ("kv_interleaved", lambda f: lambda spec, tile: f(spec, tile, enabled=True)),
+                  "v-box": ("tma_v_gather", lambda _f: lambda spec, tile: False)}
 
 
 def _stamped(render, stamps: bool = True, what_if: str | None = None):
@@ -330,7 +348,8 @@ def main() -> int:
     ap.add_argument("--variant", default=None, choices=sorted(VARIANTS),
                     help="a built-in variant's kernel and plan (softcap: logits_soft_cap 30)")
     ap.add_argument("--json")
-    ap.add_argument("--what-if", choices=sorted(WHAT_IFS), help="patch the kernel (WHAT_IFS) before stamping")
+    ap.add_argument("--what-if", type=_what_if,
+                    help="patch the kernel (WHAT_IFS; several joined by +) before stamping")
     ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
     ap.add_argument("--time", action="store_true", help="also time run() back to back, TFLOP/s per shape")
     ap.add_argument("--layout", default="paged", choices=LAYOUTS,
@@ -338,10 +357,11 @@ def main() -> int:
                          "or contiguous K and V tensors (the ragged wrapper)")
     args = ap.parse_args()
     jit.render = _stamped(jit.render, stamps=not args.no_stamps, what_if=args.what_if)
-    if args.what_if in _HOST_WHAT_IFS:
-        from attnjit.families import sm90
-        name, wrap = _HOST_WHAT_IFS[args.what_if]
-        setattr(sm90, name, wrap(getattr(sm90, name)))
+    for w in (args.what_if or "").split("+"):
+        if w in _HOST_WHAT_IFS:
+            from attnjit.families import sm90
+            name, wrap = _HOST_WHAT_IFS[w]
+            setattr(sm90, name, wrap(getattr(sm90, name)))
     ragged = args.layout == "ragged"
     if ragged and args.kv != "bf16":
         raise SystemExit("sm90_timeline.py: --layout ragged is over a bf16 cache only")

@@ -163,13 +163,15 @@ def flip_cubin_byte(d: Path) -> None:
 
 # --- real compiles (nvcc, cuobjdump) ------------------------------------------------------------------------------
 
-def compile_kernel(tmp_path: Path, spec: AttentionSpec, *, sass: bool = False) -> tuple[str, str | None]:
-    """Render ``spec`` and compile it with nvcc for its arch (asserts success): (ptxas log, SASS or None)."""
+def compile_kernel(tmp_path: Path, spec: AttentionSpec, *, sass: bool = False,
+                   source: str | None = None) -> tuple[str, str | None]:
+    """Render ``spec`` (or take its ``source``, e.g. a what-if's) and compile it with nvcc for its arch (asserts
+    success): (ptxas log, SASS or None)."""
     from attnjit.generator import render
 
-    src = tmp_path / f"{abs(hash(spec))}.cu"
+    src = tmp_path / f"{abs(hash((spec, source)))}.cu"
     cubin = src.with_suffix(".cubin")
-    src.write_text(render(spec).source)
+    src.write_text(render(spec).source if source is None else source)
     proc = subprocess.run([str(nvcc().path), *flags_for(spec.arch), "-o", str(cubin), str(src)], capture_output=True,
                           text=True)
     log = proc.stdout + proc.stderr

@@ -14,7 +14,7 @@ from attnjit.families import sm90
 from attnjit.generator import attention_layout, render
 from attnjit.specs import AttentionSpec
 
-from .cpu_support import compile_kernel
+from .cpu_support import assert_no_spills, compile_kernel
 
 
 def _spec(**kw) -> AttentionSpec:
@@ -50,6 +50,73 @@ def test_kv_args_follow_the_cache_layouts():
     huge = tma.kv_args(0x2000, "bf16", paged=False, hnd=False, rows=2 ** 31, page_size=0, heads=1, head_dim=128,
                        stride0=128, stride1=128, box_rows=128)
     assert "int32" in huge  # the kernel's token coordinate: such a cache is copied by cp.async (int64 offsets)
+
+
+def test_interleaved_kv_args_bring_a_whole_page_in_one_box():
+    """The 5-D map of interleaved tiles (sm90.kv_interleaved): {64, slot % 8, head x column block, slot / 8, page},
+    a box a page with all of its column blocks; refused (cp.async copies the tile, same layout) where a cache's
+    slots or pages overlap, or the tile is not whole pages of 8k tokens."""
+    kw = dict(rows=10, page_size=16, heads=8, head_dim=128, box_rows=16, interleaved=True)
+    m = tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=16 * 8 * 128, stride1=8 * 128, **kw)
+    assert m.dims == (64, 8, 16, 2, 10) and m.strides == (2048, 128, 16384, 32768) and m.box == (64, 8, 2, 2, 1)
+    # pages padded apart (a [pages, 2, page, H, D] cache's k view): the page dim's stride only
+    both = tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=2 * 16 * 8 * 128, stride1=8 * 128, **kw)
+    assert both.strides == (2048, 128, 16384, 65536)
+    d256 = tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=16 * 2 * 256, stride1=2 * 256,
+                       **{**kw, "heads": 2, "head_dim": 256})
+    assert d256.dims == (64, 8, 8, 2, 10) and d256.box == (64, 8, 4, 2, 1)
+    for bad in (dict(stride1=8 * 128 - 64), dict(stride0=15 * 8 * 128)):   # slots, or pages, overlapping
+        args = {"stride0": 16 * 8 * 128, "stride1": 8 * 128, **bad}
+        assert "overlap" in tma.kv_args(0x2000, "bf16", paged=True, hnd=False, **args, **kw)
+    assert isinstance(tma.kv_args(0x2000, "bf16", paged=True, hnd=True, stride0=16 * 8 * 128, stride1=16 * 128,
+                                  **kw), str)
+    assert isinstance(tma.kv_args(0x2000, "bf16", paged=True, hnd=False, stride0=16 * 8 * 128, stride1=8 * 128,
+                                  **{**kw, "box_rows": 8}), str)
+
+
+@pytest.mark.parametrize("kw,want", [(dict(page_size=16), True), (dict(page_size=32), True),
+                                     (dict(page_size=16, layout="HND"), False), (dict(page_size=1), False),
+                                     (dict(page_size=48), False), (dict(page_size=128), False),
+                                     (dict(page_size=16, head_dim=64), False), (dict(page_size=16, head_dim=256), True),
+                                     (dict(kv="ragged", page_size=None), False),
+                                     (dict(page_size=16, dtype=None, dtype_q="bf16", dtype_kv="e4m3"), False)])
+def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_8k_tokens(kw, want):
+    """Where the interleaved layout would apply once it is on (sm90.KV_INTERLEAVE, off until it has run on a GPU);
+    the template asserts that the header's Sm90Traits::KV_INTERLEAVED agrees."""
+    spec = _spec(**kw)
+    assert all(sm90.kv_interleaved(spec, t, enabled=True) == want for t in sm90.tiles(spec))
+    assert not any(sm90.kv_interleaved(spec, t) for t in sm90.tiles(spec))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("what_if,k_boxes,v_boxes", [("interleaved-kv", 2, 0), ("interleaved-kv+v-box", 2, 4),
+                                                     ("v-box", 4, 8)])
+def test_the_interleaved_what_if_kernels_build_with_a_box_a_page(tmp_path, what_if, k_boxes, v_boxes):
+    """benchmarks/sm90_timeline.py's what-ifs of the interleaved tiles (the next GPU run's A/B) build for sm_90a with
+    the host's half applied: K (and with v-box V) by one 5-D box a page where the plain kernel issues a 4-D box a
+    page and 64-column block (the copy sites in the SASS: K's 2, V's 4, each once or per column block); no local
+    memory (spills)."""
+    from benchmarks import sm90_timeline as tl
+
+    spec = _spec(page_size=16, tile="kv128")
+    saved = {n: getattr(sm90, n) for n in ("kv_interleaved", "tma_v_gather")}
+    render.cache_clear()   # a render is memoized by its spec: the patched host's must neither reuse nor stay
+    try:
+        for w in what_if.split("+"):
+            if w in tl._HOST_WHAT_IFS:
+                name, wrap = tl._HOST_WHAT_IFS[w]
+                setattr(sm90, name, wrap(getattr(sm90, name)))
+        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
+        interleaved = "+" in what_if or what_if == "interleaved-kv"
+        assert f"KV_INTERLEAVED == {'true' if interleaved else 'false'}" in src
+        log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
+    finally:
+        for n, f in saved.items():
+            setattr(sm90, n, f)
+        render.cache_clear()
+    five, four = len(re.findall(r"\bUTMALDG\.5D\b", sass)), len(re.findall(r"\bUTMALDG\.4D\b", sass))
+    assert (five, four) == ((k_boxes + v_boxes, 0) if interleaved else (0, k_boxes + v_boxes))
+    assert_no_spills(log, sass)
 
 
 def test_q_args_box_packs_a_group_of_heads_per_token():
@@ -181,15 +248,18 @@ def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkey
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("kw,copies,stores", [(dict(page_size=16), 8, 4), (dict(kv="ragged", page_size=None), 16, 4),
-                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 4, 0)])
+                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 4, 0),
+                                              (dict(page_size=16, layout="HND"), 8, 4)])
 def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, stores):
     """UTMALDG (cp.async.bulk.tensor loads) in the SASS: Q's two 64-column boxes and each K/V copy site's, per
     kernel of the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V
     only; page 16 copies K alone by TMA and gathers V, sm90/tma.cuh tma_v_gather, so half a ragged kernel's K/V
-    sites); UTMASTG (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are
-    not whole tokens."""
+    sites; NHD and HND alike while the interleaved tiles are off, sm90.KV_INTERLEAVE); UTMASTG
+    (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are not whole
+    tokens."""
     spec = _spec(**kw)
     log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert len(re.findall(r"\bUTMALDG\b", sass)) == copies
+    assert "UTMALDG.5D" not in sass   # the interleaved tiles' page boxes: off by default
     assert len(re.findall(r"\bUTMASTG\b", sass)) == stores
     assert "static_assert(sizeof(AttentionParams)" in render(spec).source

@@ -218,7 +218,7 @@ def copies_for(spec: AttentionSpec, tile: Any, layout: Any):
     return tma.Copies(q_box=q_box, kv_rows=kv_rows, dtype=spec.dtype_q, paged=spec.kv == "paged",
                       hnd=spec.layout == "HND", slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"], i["tma_o"]),
                       o_box=o_box, o_dtype=spec.dtype_o,
-                      v_gather=family.tma_v_gather(spec, tile))
+                      v_gather=family.tma_v_gather(spec, tile), interleaved=family.kv_interleaved(spec, tile))
 
 
 

@@ -3,7 +3,7 @@
 //   T (q and the tiles' 16-bit type), TKV (the cache's element type: T, or fp8), HEAD_DIM, GROUP, CTA_Q, CTA_KV,
 //   PAGED, PAGE_SIZE, HND, PAGES_PER_TILE, PAGE_RING,
 //   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1),
-//   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP (the tile layouts, see tile_offset).
+//   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP, KV_GS (the tile layouts, see tile_offset).
 // Threads copy 8 to a row: thread tid copies chunks tid % 8 + 8 j (j < HEAD_DIM / 64) of rows tid / 8 + s * RPP
 // (RPP = LOAD_THREADS / 8 rows per pass), so 8 neighbouring threads write 8 different bank groups and one address
 // serves a row's HEAD_DIM / 64 copies.
@@ -26,13 +26,15 @@ namespace attnjit {
 
 // Shared-memory tiles are rows of HEAD_DIM elements in 16-byte chunks, XOR-swizzled within groups of 8 chunks
 // (128 bytes) so that 8 consecutive rows at one chunk land in 8 different bank groups. Byte offset of chunk c of
-// row r:  r * PITCH + (c / 8) * STEP + ((c % 8) ^ (r % 8)) * 16.
+// row r:  (r / 8) * GS + (r % 8) * PITCH + (c / 8) * STEP + ((c % 8) ^ (r % 8)) * 16  (GS = 8 * PITCH: r * PITCH).
 //   fa2:  PITCH = 2 * HEAD_DIM (a row is contiguous), STEP = 128.
 //   sm90: PITCH = 128, STEP = rows * 128: HEAD_DIM / 64 column blocks of [rows][64], which is wgmma's and TMA's
-//         128-byte swizzle when the tile is 1024-byte aligned.
-template <int PITCH, int STEP>
+//         128-byte swizzle when the tile is 1024-byte aligned; K/V tiles of paged NHD kernels interleaved
+//         (Sm90Traits::KV_INTERLEAVED): STEP = 1024, GS = HEAD_DIM / 64 * 1024, [r / 8][c / 8][r % 8][128 B].
+template <int PITCH, int STEP, int GS = 8 * PITCH>
 __device__ __forceinline__ uint32_t tile_offset(int row, int chunk) {
-  return static_cast<uint32_t>(row * PITCH + (chunk >> 3) * STEP + (((chunk & 7) ^ (row & 7)) << 4));
+  const int r = GS == 8 * PITCH ? row * PITCH : (row >> 3) * GS + (row & 7) * PITCH;
+  return static_cast<uint32_t>(r + (chunk >> 3) * STEP + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
 // Q rows of item `it` (packed rows packed_row0 .. + CTA_Q) into the tile at shared address `base`; rows past the
@@ -119,8 +121,8 @@ __device__ __forceinline__ void transform_k_tile(const Item& it, uint8_t* k_tile
     const int r = i / HALF, c = i % HALF;
     const int kv_pos = kv0 + r;
     if (kv_pos >= it.kv_stop) continue;
-    uint32_t* lo = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c));
-    uint32_t* hi = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c + HALF));
+    uint32_t* lo = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r, c));
+    uint32_t* hi = reinterpret_cast<uint32_t*>(k_tile + tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r, c + HALF));
 #pragma unroll 1
     for (int w = 0; w < 4; ++w) {
       const float2 a = unpack2<T>(lo[w]), b = unpack2<T>(hi[w]);
@@ -222,7 +224,9 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   const int kv0 = it.kv_begin + tile * G::CTA_KV;
   const int c0 = tid % 8;
   const int r0 = static_cast<int>(tid) / 8;
-  const uint32_t dst0 = r0 * G::KV_PITCH + ((c0 ^ (r0 & 7)) << 4);  // rows r0 + s * RPP: same r & 7
+  // rows r0 + s * RPP: same r & 7 (c0 < 8: no column block)
+  const uint32_t dst0 = G::KV_GS == 8 * G::KV_PITCH ? r0 * G::KV_PITCH + ((c0 ^ (r0 & 7)) << 4)
+                                                    : tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r0, c0);
   // paged, a pass within one page: pass s reads page id (s * RPP) / PAGE_SIZE of the tile (a constant index)
   // at slot slot0 + r0 + (s * RPP) % PAGE_SIZE. Invalid rows keep an in-bounds address: their page id is 0 (the
   // ring's are zero-filled when staged), or the tile's own page.
@@ -265,7 +269,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
         }
       }
     } else {
-      const uint32_t dst = RPP % 8 == 0 ? dst0 + s * RPP * G::KV_PITCH : tile_offset<G::KV_PITCH, G::KV_STEP>(r, c0);
+      const uint32_t dst = RPP % 8 == 0 ? dst0 + s * (RPP / 8) * G::KV_GS
+                                        : tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r, c0);
 #pragma unroll
       for (int j = 0; j < CPT; ++j) {
         if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
@@ -289,7 +294,7 @@ __device__ __forceinline__ void dequant_rows(const uint8_t* src, uint8_t* dst, i
     const int i = static_cast<int>(tid) + n * THREADS;
     const int r = row0 + i / CH, c = i % CH;
     const uint2 raw = *reinterpret_cast<const uint2*>(src + G::stage8_offset(r, c * 8));
-    *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP>(r, c)) = fp8x8_to<T, TKV>(raw);
+    *reinterpret_cast<uint4*>(dst + tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r, c)) = fp8x8_to<T, TKV>(raw);
   }
 }
 

@@ -84,6 +84,7 @@ struct AttentionTraits {
   // the shared loaders' geometry (attnjit/kv_load.cuh): every thread copies; rows are contiguous in shared memory
   static constexpr int LOAD_THREADS = NUM_THREADS;
   static constexpr int Q_PITCH = ROW_BYTES, Q_STEP = 128, KV_PITCH = ROW_BYTES, KV_STEP = 128;
+  static constexpr int KV_GS = 8 * KV_PITCH;  // bytes from one 8-row group to the next (rows are contiguous)
 
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM >= 64, "head_dim must be a multiple of 16, at least 64");
   static_assert(NUM_THREADS % 8 == 0 && CHUNKS % 8 == 0, "a cp.async pass must cover whole rows");

@@ -72,7 +72,7 @@ struct Consumer {
   // low 14-bit field, in 16-byte units, and no k-slice offset carries out of it.)
   __device__ __forceinline__ void issue_qk(int stage) {
     const uint64_t a0 = smem_desc(smem_u32(sm.q(qstage)) + wg * Tr::WG_ROWS * 128, 16, 1024);
-    const uint64_t b0 = smem_desc(smem_u32(sm.k(stage)), 16, 1024);
+    const uint64_t b0 = smem_desc(smem_u32(sm.k(stage)), 16, Tr::KV_GS);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint64_t a = a0 + (((kk / 4) * Tr::Q_STEP + (kk % 4) * 32) >> 4);
@@ -83,12 +83,12 @@ struct Consumer {
   }
 
   // O += P V over the tile's first NN kv rows: NN/16 k-slices, V MN-major (rows are kv tokens, 64-column blocks
-  // KV_STEP apart).
+  // KV_STEP apart, 8-row groups KV_GS).
   template <int NN = N>
   __device__ __forceinline__ void issue_pv(int stage) {
-    const uint64_t b0 = smem_desc(smem_u32(sm.v(stage)), Tr::KV_STEP, 1024);
+    const uint64_t b0 = smem_desc(smem_u32(sm.v(stage)), Tr::KV_STEP, Tr::KV_GS);
 #pragma unroll
-    for (int kk = 0; kk < NN / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], b0 + ((kk * 16 * 128) >> 4));
+    for (int kk = 0; kk < NN / 16; ++kk) wgmma_rs<D, T>(o, pf[kk], b0 + ((kk * 2 * Tr::KV_GS) >> 4));
     wgmma_commit();
   }
 

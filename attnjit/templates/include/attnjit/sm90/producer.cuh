@@ -252,9 +252,9 @@ __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
         const int row = r0 + (p + u) * RPP;
         const uint2 lo = make_uint2(raw[u].x, raw[u].y), hi = make_uint2(raw[u].z, raw[u].w);
         const int k = 2 * c + (odd_first ? 1 : 0);
-        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k)) =
+        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP, Tr::KV_GS>(row, k)) =
             fp8x8_to_half<TKV, true>(odd_first ? hi : lo);
-        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(row, k ^ 1)) =
+        *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP, Tr::KV_GS>(row, k ^ 1)) =
             fp8x8_to_half<TKV, true>(odd_first ? lo : hi);
       }
     }
@@ -279,7 +279,7 @@ __device__ __forceinline__ void dequant_in_place(uint8_t* stage, unsigned tid) {
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int b = 0; b < G; ++b)
-            *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP>(r0 + (p + u) * RPP,
+            *reinterpret_cast<uint4*>(stage + tile_offset<Tr::KV_PITCH, Tr::KV_STEP, Tr::KV_GS>(r0 + (p + u) * RPP,
                                                                                     8 * (g * G + b) + c)) =
                 fp8x8_to_half<TKV, false>(raw[u][b]);
       }

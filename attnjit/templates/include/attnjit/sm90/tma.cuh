@@ -9,17 +9,20 @@
 //        (token-major, GROUP heads each), which is the Q tile's row order when an item starts on a token.
 //   K/V: paged 4-D {d, kv head, slot, page} (NHD) or {d, slot, kv head, page} (HND); ragged 3-D {d, kv head,
 //        token}: the dims in memory order (each stride nests the ones below it); a box is TMA_ROWS rows (tokens)
-//        of one head.
+//        of one head. Interleaved tiles (Sm90Traits::KV_INTERLEAVED: paged NHD, pages of 8k tokens smaller than
+//        the tile): 5-D {d % 64, slot % 8, kv head x 64-column block, slot / 8, page}, one box a page with all of
+//        its column blocks, landing in the tile's 8-row groups (a page of 16 tokens at d 128: one 4 KB box, not
+//        two of 2 KB).
 //   O:   3-D {d, qo head, token} as Q; box {64, GROUP, WG_ROWS / GROUP}: one consumer warpgroup's rows, staged
 //        in its rows of the Q tile (the epilogue's layout is the Q tile's). A box writes every row it covers (the
 //        TMA unit clips only at the tensor's end), so only a warpgroup whose rows all lie inside the request
 //        stores by TMA; the request's last, partial rows take the 16-byte stores.
 // Every box is written with the 128-byte swizzle, which is the tile layout the wgmma descriptors read
 // (attnjit/kv_load.cuh tile_offset) when the box lands 1024-byte aligned: box j of a tile at j * TMA_ROWS * 128
-// bytes, so TMA_ROWS is a multiple of 8. Out-of-range rows are zero-filled by the TMA unit, but the producer only
-// takes TMA for a K/V tile whose rows all hold the request's data (rows past kv_stop but before kv_len are the
-// request's own keys: finite, hidden by the mask, P = 0 for them); a tile reaching past kv_len is copied with
-// cp.async, whose zero fill keeps hidden values finite.
+// bytes (interleaved tiles: j * TMA_ROWS / 8 * KV_GS), so TMA_ROWS is a multiple of 8. Out-of-range rows are
+// zero-filled by the TMA unit, but the producer only takes TMA for a K/V tile whose rows all hold the request's data
+// (rows past kv_stop but before kv_len are the request's own keys: finite, hidden by the mask, P = 0 for them); a
+// tile reaching past kv_len is copied with cp.async, whose zero fill keeps hidden values finite.
 #pragma once
 #include <cstddef>
 
@@ -91,6 +94,15 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const TensorMap* map, 
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
       "[%2];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2),
       "r"(c3)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const TensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6, %7}], "
+      "[%2];\n" ::"r"(dst), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3), "r"(c4)
       : "memory");
 }
 
@@ -167,6 +179,13 @@ __device__ __forceinline__ void tma_kv_tile(const Item& it, const TensorMap* map
   if (tid == 0) mbar_arrive_expect_tx(bar, Tr::KV_BYTES);
   else mbar_arrive(bar);
   const int j = tma_box_of(tid);
+  if constexpr (Tr::KV_INTERLEAVED) {
+    // one box a page: {64, 8 rows, BLOCKS column blocks, ROWS / 8 row groups, 1 page} of the 5-D map
+    // {d, slot % 8, kv head x column block, slot / 8, page} (attnjit/tma.py), landing as the page's row groups
+    static_assert(ROWS == Tr::PAGE_SIZE && ROWS % 8 == 0, "interleaved tiles are whole pages of 8-row groups");
+    if (j < BOXES) tma_load_5d(dst + j * (ROWS / 8) * Tr::KV_GS, map, bar, 0, 0, it.kv_head * Tr::BLOCKS, 0, page);
+    return;
+  }
   if (j < BOXES) {
     const int kv0 = it.kv_begin + tile * Tr::CTA_KV;
     const uint32_t to = dst + j * ROWS * 128;

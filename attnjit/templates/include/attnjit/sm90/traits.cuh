@@ -8,6 +8,11 @@
 
 namespace attnjit {
 
+// Whether paged NHD K/V tiles take the interleaved layout (Sm90Traits::KV_INTERLEAVED; the host's
+// sm90.kv_interleaved says the same, and the template asserts it). Off until it has run on a GPU: the what-if
+// interleaved-kv of benchmarks/sm90_timeline.py turns it on for the A/B (thirty-third session, RESULTS.md).
+constexpr bool kKvInterleave = false;
+
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
@@ -87,7 +92,16 @@ struct Sm90Traits {
   static constexpr int SMEM_BYTES = PAIR_OFF + (Q_STAGES + 1) * 4 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
-  static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128, KV_STEP = CTA_KV * 128;
+  // K and V tiles of a paged NHD kernel whose tile is several pages of 8k tokens are "interleaved": 8-row groups of
+  // BLOCKS * 1024 bytes, each the group's 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so
+  // one TMA box {64, 8 rows, BLOCKS blocks, PAGE_SIZE / 8 groups} brings a whole page (sm90/tma.cuh), where the
+  // plain layout ([block][row][128 B]) takes a box per page and column block. The wgmma read either: the 8-row
+  // groups are KV_GS apart, the column blocks KV_STEP (attnjit/kv_load.cuh tile_offset, sm90/attention.cuh).
+  static constexpr bool KV_INTERLEAVED = kKvInterleave && PAGED && !HND && !FP8_KV && BLOCKS >= 2 &&
+                                         PAGE_SIZE % 8 == 0 && PAGE_SIZE < CTA_KV && CTA_KV % PAGE_SIZE == 0;
+  static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128;
+  static constexpr int KV_STEP = KV_INTERLEAVED ? 1024 : CTA_KV * 128;  // bytes from one 64-column block to the next
+  static constexpr int KV_GS = KV_INTERLEAVED ? BLOCKS * 1024 : 1024;    // bytes from one 8-row group to the next
   static constexpr int KV_PASSES = CTA_KV / (LOAD_THREADS / 8);   // copy passes per tile (page ids per thread)
   // named barriers (0 is __syncthreads): the consumers; each consumer's turn at the tensor cores; its
   // epilogue (and, fp8, its Q rows' conversion); the producer's claim of its next pair (the fp8 producer's warps

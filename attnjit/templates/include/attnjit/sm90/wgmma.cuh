@@ -10,9 +10,10 @@ namespace sm90 {
 
 // Shared-memory matrix descriptor of a tile in the 128-byte swizzle layout (attnjit/kv_load.cuh, PITCH = 128):
 // start address, leading and stride byte offsets (16-byte units), swizzle mode 1 (128 B) in bits 62-63.
-//   K-major operand (Q, K: rows of 64 contiguous k elements): LBO unused (1), SBO = 1024 (8 rows of 128 B).
+//   K-major operand (Q, K: rows of 64 contiguous k elements): LBO unused (1), SBO = the stride between 8-row
+//   groups (1024: 8 rows of 128 B; interleaved K/V tiles, Sm90Traits::KV_GS).
 //   MN-major operand (V: rows are k = kv tokens, 64 contiguous n = head-dim elements per 128-byte row): LBO = the
-//   stride between 64-column blocks, SBO = 1024 (8 rows).
+//   stride between 64-column blocks, SBO = the stride between 8-row groups (1024, or KV_GS).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(lbo_bytes >> 4) << 16) |
          (static_cast<uint64_t>(sbo_bytes >> 4) << 32) | (1ull << 62);

@@ -14,7 +14,7 @@ Dims (innermost first), as the kernel indexes them:
   k, v NHD  [pages, page, H_kv, D]    {D, H_kv, page, pages}, box {64, 1, rows, 1}
   k, v HND  [pages, H_kv, page, D]    {D, page, H_kv, pages}, box {64, rows, 1, 1}
   k, v      [nnz_kv, H_kv, D]         {D, H_kv, nnz_kv}, box {64, 1, rows}   (ragged)
-  k, v NHD, interleaved tiles (sm90.kv_interleaved: pages of 8k tokens smaller than the tile)
+  k, v NHD, interleaved tiles (sm90.kv_interleaved: pages of 16k tokens smaller than the tile)
             [pages, page, H_kv, D]    {64, 8, H_kv x D / 64, page / 8, pages}, box {64, 8, D / 64, page / 8, 1}
             (dims 1 and 2 do not nest: a slot's 8 rows, then its 64-column blocks, so that a box lands as the
             tile's 8-row groups with every column block; one box a page)

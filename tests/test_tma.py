@@ -77,10 +77,11 @@ def test_interleaved_kv_args_bring_a_whole_page_in_one_box():
 @pytest.mark.parametrize("kw,want", [(dict(page_size=16), True), (dict(page_size=32), True),
                                      (dict(page_size=16, layout="HND"), False), (dict(page_size=1), False),
                                      (dict(page_size=48), False), (dict(page_size=128), False),
+                                     (dict(page_size=8), False),   # no TMA path: pages of 16k tokens only
                                      (dict(page_size=16, head_dim=64), False), (dict(page_size=16, head_dim=256), True),
                                      (dict(kv="ragged", page_size=None), False),
                                      (dict(page_size=16, dtype=None, dtype_q="bf16", dtype_kv="e4m3"), False)])
-def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_8k_tokens(kw, want):
+def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_16k_tokens(kw, want):
     """Where the interleaved layout would apply once it is on (sm90.KV_INTERLEAVE, off until it has run on a GPU);
     the template asserts that the header's Sm90Traits::KV_INTERLEAVED agrees."""
     spec = _spec(**kw)

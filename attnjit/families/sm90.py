@@ -249,7 +249,7 @@ def tma_v_gather(spec: "AttentionSpec", tile: Tile) -> bool:
     return spec.kv == "paged" and 0 < rows < tile.cta_kv
 
 
-# Paged NHD K/V tiles of several pages of 8k tokens can be interleaved (Sm90Traits::KV_INTERLEAVED, sm90/tma.cuh):
+# Paged NHD K/V tiles of several pages of 16k tokens (whole TMA boxes, tma_boxes) can be interleaved (Sm90Traits::KV_INTERLEAVED, sm90/tma.cuh):
 # one TMA box a page brings all of its column blocks (the 5-D map of tma.kv_args), where the plain layout takes a box
 # a page and 64-column block. (The template asserts that this and the header agree.) Off until it has run on a GPU
 # (sm90/traits.cuh kKvInterleave; benchmarks/sm90_timeline.py --what-if interleaved-kv turns both on).
@@ -262,7 +262,7 @@ def kv_interleaved(spec: "AttentionSpec", tile: Tile, enabled: bool | None = Non
     ps = spec.page_size or 0
     on = KV_INTERLEAVE if enabled is None else enabled
     return (on and spec.kv == "paged" and spec.layout != "HND" and not _fp8(spec)
-            and spec.head_dim_qk >= 128 and ps % 8 == 0 and 0 < ps < tile.cta_kv and tile.cta_kv % ps == 0)
+            and spec.head_dim_qk >= 128 and ps % 16 == 0 and 0 < ps < tile.cta_kv and tile.cta_kv % ps == 0)
 
 
 def context(spec: "AttentionSpec") -> dict:

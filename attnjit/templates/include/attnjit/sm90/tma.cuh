@@ -9,7 +9,7 @@
 //        (token-major, GROUP heads each), which is the Q tile's row order when an item starts on a token.
 //   K/V: paged 4-D {d, kv head, slot, page} (NHD) or {d, slot, kv head, page} (HND); ragged 3-D {d, kv head,
 //        token}: the dims in memory order (each stride nests the ones below it); a box is TMA_ROWS rows (tokens)
-//        of one head. Interleaved tiles (Sm90Traits::KV_INTERLEAVED: paged NHD, pages of 8k tokens smaller than
+//        of one head. Interleaved tiles (Sm90Traits::KV_INTERLEAVED: paged NHD, pages of 16k tokens smaller than
 //        the tile): 5-D {d % 64, slot % 8, kv head x 64-column block, slot / 8, page}, one box a page with all of
 //        its column blocks, landing in the tile's 8-row groups (a page of 16 tokens at d 128: one 4 KB box, not
 //        two of 2 KB).

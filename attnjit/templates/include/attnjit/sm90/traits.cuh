@@ -92,13 +92,14 @@ struct Sm90Traits {
   static constexpr int SMEM_BYTES = PAIR_OFF + (Q_STAGES + 1) * 4 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
-  // K and V tiles of a paged NHD kernel whose tile is several pages of 8k tokens are "interleaved": 8-row groups of
+  // K and V tiles of a paged NHD kernel whose tile is several pages of 16k tokens (pages its TMA path copies as
+  // whole boxes, sm90/tma.cuh tma_kv) are "interleaved": 8-row groups of
   // BLOCKS * 1024 bytes, each the group's 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so
   // one TMA box {64, 8 rows, BLOCKS blocks, PAGE_SIZE / 8 groups} brings a whole page (sm90/tma.cuh), where the
   // plain layout ([block][row][128 B]) takes a box per page and column block. The wgmma read either: the 8-row
   // groups are KV_GS apart, the column blocks KV_STEP (attnjit/kv_load.cuh tile_offset, sm90/attention.cuh).
   static constexpr bool KV_INTERLEAVED = kKvInterleave && PAGED && !HND && !FP8_KV && BLOCKS >= 2 &&
-                                         PAGE_SIZE % 8 == 0 && PAGE_SIZE < CTA_KV && CTA_KV % PAGE_SIZE == 0;
+                                         PAGE_SIZE % 16 == 0 && PAGE_SIZE < CTA_KV && CTA_KV % PAGE_SIZE == 0;
   static constexpr int Q_PITCH = 128, Q_STEP = CTA_Q * 128, KV_PITCH = 128;
   static constexpr int KV_STEP = KV_INTERLEAVED ? 1024 : CTA_KV * 128;  // bytes from one 64-column block to the next
   static constexpr int KV_GS = KV_INTERLEAVED ? BLOCKS * 1024 : 1024;    // bytes from one 8-row group to the next

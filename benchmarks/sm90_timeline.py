@@ -19,8 +19,10 @@ walk to the next item; with the item's kv tile count, so short and long items ca
 epilogue is cut at E1 (O normalized and staged in shared memory) and E2 (the warpgroup's barrier passed; then the
 TMA store or the 16-byte global stores), and the walk at W (the top of the next item's iteration, before its work record is read). ``--kv e4m3``
 times the kernel over an e4m3 cache (issue 14's sm90 fp8 path). ``--what-if NAME`` patches the kernel first
-(WHAT_IFS: an upper bound on what removing one cost could buy), ``--no-stamps`` leaves the stamps out and ``--time`` times
-run() back to back (TFLOP/s), so one call can compare a patched kernel with the one built:
+(WHAT_IFS: an upper bound on what removing one cost could buy; several joined by +), ``--no-stamps`` leaves the
+stamps out and ``--time`` times run() back to back (TFLOP/s), so one call can compare a patched kernel with the one
+built. Over a bf16 cache without a variant ``--time`` also checks the output against torch SDPA (``max_diff``; over
+0.1 the call says WRONG RESULTS and exits 1: a what-if that drops work, no-store for one, is expected to):
 
     python3 benchmarks/sm90_timeline.py --build --no-stamps --what-if no-store 32x512
     python3 benchmarks/sm90_timeline.py --no-stamps --time 32x512 8x2048 1x8192                # as built
@@ -246,6 +248,20 @@ def _stamped(render, stamps: bool = True, what_if: str | None = None):
     return render_stamped
 
 
+def _max_diff(o, q, k, v, b: int, L: int, causal: bool) -> float:
+    """The largest |o - reference| over the batch: torch SDPA (bf16) per request, query head h on kv head h // 4."""
+    import torch
+
+    worst = 0.0
+    for r in range(b):
+        t = slice(r * L, (r + 1) * L)
+        qh, kh, vh = (x[t].transpose(0, 1)[None] for x in (q, k, v))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh.repeat_interleave(4, dim=1), vh.repeat_interleave(4, dim=1), is_causal=causal)
+        worst = max(worst, (o[t].float() - ref[0].transpose(0, 1).float()).abs().max().item())
+    return worst
+
+
 def best_ms(run, calls: int = 40, rounds: int = 5) -> float:
     """ms a call of ``run``, called back to back in the stream: the best of ``rounds`` rounds of ``calls`` (after 5
     warm-up calls). The cold GPU's best blocks: for comparisons within one process (benchmarks/harness_ab.py)."""
@@ -379,6 +395,7 @@ def main() -> int:
     from benchmarks.tables import paged_tables
 
     out = {}
+    wrong = False
     for shape in args.shapes:
         b, L = (int(x) for x in shape.split("x"))
         qo = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
@@ -401,6 +418,10 @@ def main() -> int:
             w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=causal, q_data_type=torch.bfloat16,
                    kv_data_type=cache.dtype, disable_split_kv=True, **extra)
             run = lambda: w.run(q, cache)  # noqa: E731
+            if args.kv == "bf16":
+                rows = cache[indices.long()].reshape(b, -1, 2, 16, 8, 128)   # request r's pages, in table order
+                k = rows[:, :, 0].reshape(b, -1, 8, 128)[:, :L].reshape(b * L, 8, 128)
+                v = rows[:, :, 1].reshape(b, -1, 8, 128)[:, :L].reshape(b * L, 8, 128)
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):
             run()
@@ -408,8 +429,11 @@ def main() -> int:
             t0 = time.time()
             out[shape] = {"tflops": round(tflops(run, b, L, causal), 1)}
             out[shape]["span"] = [t0, time.time()]   # for benchmarks/clocks.py
+            if args.kv == "bf16" and not args.variant:   # a what-if that breaks the results says so here
+                out[shape]["max_diff"] = _max_diff(run(), q, k, v, b, L, causal)
+                wrong = wrong or out[shape]["max_diff"] > 0.1
             print(shape, args.layout, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
-                  {"tflops": out[shape]["tflops"]}, flush=True)
+                  {n: out[shape][n] for n in ("tflops", "max_diff") if n in out[shape]}, flush=True)
         if args.no_stamps:
             continue
         ws.zero_()
@@ -428,6 +452,10 @@ def main() -> int:
             print(f"  cta 0, warpgroup {wg}:", [row[:7] for row in out[shape]["cta0"][wg][:6]], flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    if wrong:
+        print("sm90_timeline.py: WRONG RESULTS (max_diff > 0.1 against torch SDPA): the kernel as patched is not one to "
+              "keep", file=sys.stderr)
+        return 1
     return 0
 
 

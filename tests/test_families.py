@@ -12,6 +12,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnjit import families
 from attnjit import variants as V
@@ -312,6 +313,28 @@ def test_sm90_timeline_what_if_patches_still_apply():
     assert tl._stamped(render, stamps=False)(spec).source == plain
     with pytest.raises(SystemExit, match="WHAT_IFS"):
         tl._patched("no such kernel", "no-store")
+
+
+def test_sm90_timeline_checks_its_output_against_sdpa_with_gqa_heads():
+    """--time's max_diff (the first GPU call of a what-if is also its correctness check): query head h reads kv head
+    h // 4, each request on its own rows, causal or not; an output off by one in one row is seen."""
+    from benchmarks import sm90_timeline as tl
+
+    torch.manual_seed(0)
+    b, L = 2, 24
+    q = torch.randn(b * L, 32, 128)
+    k, v = torch.randn(b * L, 8, 128), torch.randn(b * L, 8, 128)
+    for causal in (True, False):
+        o = torch.empty_like(q)
+        for r in range(b):
+            t = slice(r * L, (r + 1) * L)
+            s = torch.einsum("qhd,khd->hqk", q[t].double(), k[t].repeat_interleave(4, dim=1).double()) / 128 ** 0.5
+            if causal:
+                s = s.masked_fill(torch.ones(L, L, dtype=torch.bool).triu(1), float("-inf"))
+            o[t] = torch.einsum("hqk,khd->qhd", s.softmax(-1), v[t].repeat_interleave(4, dim=1).double()).float()
+        assert tl._max_diff(o, q, k, v, b, L, causal) < 1e-4
+        o[L + 5, 17] += 1.0
+        assert tl._max_diff(o, q, k, v, b, L, causal) > 0.5
 
 
 @pytest.mark.parametrize("ragged", [False, True])

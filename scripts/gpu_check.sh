@@ -21,7 +21,7 @@
 #   env: TESTS_BUDGET / BENCH_BUDGET (seconds each stage may take; the device tool stops a call at 600 s),
 #   BENCH_ARGS (e.g. --fi-skip fa3:64), SWEEP_ARGS (the sweeps' options, e.g. --main-only --tiles kv128,kv128t8),
 #   TEST_TIMEOUT (per test, with pytest-timeout), SMOKE_TIMEOUT, TIMELINE_ARGS (';'-separated argument sets of
-#   sm90_timeline.py, one call each; default "32x512 8x2048")
+#   sm90_timeline.py, one call each; default "32x512 8x2048"); pack: TIMELINE_BUILD (their kernels' --build sets)
 #   carry: .carry (compressed caches, `bash scripts/gpu_check.sh pack` builds them here, no GPU needed) and .bench
 #   (the FlashInfer bundle, ../shared/tools/flashinfer-bundle.sh)
 set -uo pipefail
@@ -35,6 +35,16 @@ if [ "$what" = pack ]; then   # on the build machine: warm both caches and compr
   rm -rf .llama-cache && ATTNJIT_CACHE_DIR=.llama-cache python3 -m attnjit.cli warm specs/llama-example.toml
   mkdir -p .carry
   for c in device-cache llama-cache; do tar -C ".$c" -cf - . | xz -T0 -6 >".carry/$c.tar.xz"; done
+  # the timeline stage's kernels (carried as .timeline-cache): TIMELINE_BUILD, ';'-separated argument sets of
+  # sm90_timeline.py --build, e.g. "--no-stamps 8x2048;--no-stamps --what-if interleaved-kv 8x2048"
+  if [ -n "${TIMELINE_BUILD:-}" ]; then
+    IFS=';' read -ra tl_builds <<<"$TIMELINE_BUILD"
+    for a in "${tl_builds[@]}"; do
+      # shellcheck disable=SC2086  # each set is a list of arguments
+      ATTNJIT_CACHE_DIR=$PWD/.timeline-cache python3 benchmarks/sm90_timeline.py --build $a
+    done
+    du -sh .timeline-cache
+  fi
   du -sh .carry/*; exit 0
 fi
 for c in device-cache llama-cache; do
@@ -165,7 +175,7 @@ if has timeline; then   # the sm90 consumer's phases and what-if patches, kernel
     ATTNJIT_JIT=0 ATTNJIT_CACHE_DIR=$PWD/.timeline-cache timeout 300 python3 benchmarks/sm90_timeline.py $a \
       --json "$OUT/timeline-$n.json" >"$OUT/timeline-$n.txt" 2>&1
     summary+=("timeline $n ($a): rc=$?")
-    grep -E "tflops|iteration_cycles|\"(epilogue|main loop|wait Q|to the next item)|Error|error" \
+    grep -E "tflops|iteration_cycles|\"(epilogue|main loop|wait Q|to the next item)|Error|error|WRONG" \
       "$OUT/timeline-$n.txt" | head -24
   done
   clocks_stop timeline "$OUT"/timeline-*.json

@@ -267,8 +267,9 @@ class Cache:
                     kind = "untrusted" if problem.startswith("untrusted: ") else "bad"
                     fix = ("a build replaces it" if base == self.root else
                            "layers are read-only: fix or remove it there; a build puts a good copy in the root")
-                    warnings.warn(f"attnjit: ignoring {kind} cache entry {bad.dir}: "
-                                  f"{problem.removeprefix('untrusted: ')} ({fix})", BadEntryWarning, stacklevel=3)
+                    warnings.warn(printable(f"attnjit: ignoring {kind} cache entry {bad.dir}: "
+                                            f"{problem.removeprefix('untrusted: ')} ({fix})"),
+                                  BadEntryWarning, stacklevel=3)
         return None
 
     @staticmethod

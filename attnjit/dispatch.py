@@ -21,7 +21,6 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 from . import knobs
@@ -109,9 +108,9 @@ def _open_log(raw: str):
     at once instead of a process hung in open(); a FIFO with a reader (a shell's process substitution) works and is
     written with blocking writes as a file is. Any path that cannot be appended to is a ValueError naming the
     variable, raised where the first record would be written."""
+    path = knobs.LOG.get()   # the knob's parse: a path of blanks only is refused, as for the other path knobs
     try:
-        fd = os.open(Path(raw).expanduser(), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC,
-                     0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         hint = " (a FIFO with no reader)" if exc.errno == errno.ENXIO else ""
         raise ValueError(f"environment variable {knobs.LOG.name}={raw!r} is invalid: it cannot be opened to append "

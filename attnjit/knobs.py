@@ -117,7 +117,7 @@ NVCC: Knob[Path | None] = Knob(
     "ATTNJIT_NVCC", None, _path,
     "nvcc to build with; else $CUDA_HOME/bin/nvcc, else the nvcc on PATH")
 CUDA_HOME: Knob[Path | None] = Knob(
-    "CUDA_HOME", None, _path, "CUDA toolkit root; its bin/nvcc is the second choice")
+    "CUDA_HOME", None, lambda s: Path(s).expanduser(), "CUDA toolkit root; its bin/nvcc is the second choice")
 JIT: Knob[bool] = Knob(
     "ATTNJIT_JIT", True, _bool,
     "1 (default): build a kernel on a cache miss; 0 (strict mode): a miss raises CacheMissError")

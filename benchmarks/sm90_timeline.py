@@ -429,11 +429,12 @@ def main() -> int:
             t0 = time.time()
             out[shape] = {"tflops": round(tflops(run, b, L, causal), 1)}
             out[shape]["span"] = [t0, time.time()]   # for benchmarks/clocks.py
+            out[shape]["tma"] = w._plan.tma_used   # what the TMA unit copied (a map the driver refused: cp.async)
             if args.kv == "bf16" and not args.variant:   # a what-if that breaks the results says so here
                 out[shape]["max_diff"] = _max_diff(run(), q, k, v, b, L, causal)
                 wrong = wrong or out[shape]["max_diff"] > 0.1
             print(shape, args.layout, args.what_if or "as built", "stamped" if not args.no_stamps else "unstamped",
-                  {n: out[shape][n] for n in ("tflops", "max_diff") if n in out[shape]}, flush=True)
+                  {n: out[shape][n] for n in ("tflops", "max_diff", "tma") if n in out[shape]}, flush=True)
         if args.no_stamps:
             continue
         ws.zero_()

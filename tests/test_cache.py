@@ -459,6 +459,20 @@ def test_a_manifest_field_cache_list_cannot_print_is_a_bad_entry(tmp_path, field
     assert entry is None and found.startswith(f"manifest.json {problem}"), found
 
 
+def test_a_bad_entrys_warning_carries_no_control_characters(tmp_path):
+    """A bad entry's problem quotes what it found; a layer's forged manifest must not send terminal escapes through
+    the warning a lookup emits (cache list / verify print it the same way)."""
+    root = tmp_path / "cache"
+    d = entry_dir(root, "ab" * 32)
+    d.mkdir(parents=True)
+    (d / "kernel.cubin").write_bytes(b"\x7fELF")
+    (d / "manifest.json").write_text(json.dumps({"key": "ab" * 32, "format": "\u001b[2J\u009b31m"}))
+    with pytest.warns(BadEntryWarning) as seen:
+        assert Cache(root, layers=()).lookup("ab" * 32) is None
+    text = str(seen[0].message)
+    assert "?[2J" in text and not any(ord(c) < 32 or 127 <= ord(c) < 160 for c in text), text
+
+
 def test_a_manifest_nested_too_deeply_is_a_bad_entry_not_a_recursion_error(tmp_path):
     root = tmp_path / "cache"
     d = entry_dir(root, "ab" * 32)

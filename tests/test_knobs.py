@@ -37,7 +37,7 @@ def test_a_bad_value_names_the_variable(monkeypatch):
         knobs.NUM_SMS.get()
 
 
-@pytest.mark.parametrize("knob", [knobs.CACHE_DIR, knobs.NVCC, knobs.CUDA_HOME, knobs.LOG, knobs.CACHE_PATH])
+@pytest.mark.parametrize("knob", [knobs.CACHE_DIR, knobs.NVCC, knobs.LOG, knobs.CACHE_PATH])
 def test_a_path_of_blanks_only_is_refused_not_taken_as_a_directory_named_by_a_space(monkeypatch, knob):
     """``ATTNJIT_CACHE_DIR=" "`` (a stray space in a shell line) made a cache root named by a space in the working
     directory."""
@@ -89,6 +89,17 @@ def test_a_log_fifo_with_a_reader_receives_the_records(tmp_path, monkeypatch):
         f.close()
     finally:
         os.close(reader)
+
+
+def test_a_log_path_of_blanks_is_refused_where_the_record_is_opened(tmp_path, monkeypatch):
+    """The dispatch record opens ATTNJIT_LOG itself: a blank value made a file named by a space in the working
+    directory."""
+    dispatch = _fresh_log_state(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ATTNJIT_LOG", "  ")
+    with pytest.raises(ValueError, match="ATTNJIT_LOG=.* is invalid: expected a path, got only blanks"):
+        dispatch._log_file()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_log_path_that_cannot_be_appended_to_names_the_variable(tmp_path, monkeypatch):

@@ -108,7 +108,7 @@ def test_the_interleaved_what_if_kernels_build_with_a_box_a_page(tmp_path, what_
                 name, wrap = tl._HOST_WHAT_IFS[w]
                 setattr(sm90, name, wrap(getattr(sm90, name)))
         src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
-        interleaved = "+" in what_if or what_if == "interleaved-kv"
+        interleaved = "interleaved-kv" in what_if.split("+")
         assert f"KV_INTERLEAVED == {'true' if interleaved else 'false'}" in src
         log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
     finally:

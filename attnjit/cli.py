@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 from . import knobs
 from .build import restore_signals
-from .cache import Cache, dir_bytes
+from .cache import Cache, dir_bytes, printable
 from .pack import FORMATS
 from .errors import AttnjitError, CatalogError
 from .specs import (DEFAULT_ARCH, MAX_CATALOG_SPECS, AttentionSpec, SpecError, dump_catalog, load_catalog,
@@ -265,7 +265,6 @@ def cmd_pack(args) -> int:
 
 
 def cmd_cache(args) -> int:
-    from .cache import printable
     from .maintenance import clear, format_size, prune
 
     cache = _cache(args)

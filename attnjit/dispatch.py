@@ -108,7 +108,7 @@ def _open_log(raw: str):
     at once instead of a process hung in open(); a FIFO with a reader (a shell's process substitution) works and is
     written with blocking writes as a file is. Any path that cannot be appended to is a ValueError naming the
     variable, raised where the first record would be written."""
-    path = knobs.LOG.get()   # the knob's parse: a path of blanks only is refused, as for the other path knobs
+    path = knobs.LOG.value_of(raw)   # the knob's parse: a path of blanks only is refused, as for the other paths
     try:
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
     except OSError as exc:

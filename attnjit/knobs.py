@@ -26,6 +26,10 @@ class Knob(Generic[T]):
         raw = _lookup(self.name)
         if raw is None or raw == "":
             return self.default
+        return self.value_of(raw)
+
+    def value_of(self, raw: str) -> T:
+        """``raw`` (a value of this variable already read) parsed, or a ValueError naming the variable."""
         try:
             return self.parse(raw)
         except ValueError as exc:

@@ -249,9 +249,9 @@ def tma_v_gather(spec: "AttentionSpec", tile: Tile) -> bool:
     return spec.kv == "paged" and 0 < rows < tile.cta_kv
 
 
-# Paged NHD K/V tiles of several pages of 16k tokens (whole TMA boxes, tma_boxes) can be interleaved (Sm90Traits::KV_INTERLEAVED, sm90/tma.cuh):
-# one TMA box a page brings all of its column blocks (the 5-D map of tma.kv_args), where the plain layout takes a box
-# a page and 64-column block. (The template asserts that this and the header agree.) Off until it has run on a GPU
+# Paged NHD K/V tiles of several pages of 16k tokens (whole TMA boxes, tma_boxes) can be interleaved
+# (Sm90Traits::KV_INTERLEAVED, sm90/tma.cuh): one TMA box a page brings all of its column blocks (the 5-D map of
+# tma.kv_args), where the plain layout takes a box a page and 64-column block. (The template asserts that this and the header agree.) Off until it has run on a GPU
 # (sm90/traits.cuh kKvInterleave; benchmarks/sm90_timeline.py --what-if interleaved-kv turns both on).
 KV_INTERLEAVE = False
 

@@ -184,9 +184,7 @@ __device__ __forceinline__ void tma_kv_tile(const Item& it, const TensorMap* map
     // {d, slot % 8, kv head x column block, slot / 8, page} (attnjit/tma.py), landing as the page's row groups
     static_assert(ROWS == Tr::PAGE_SIZE && ROWS % 8 == 0, "interleaved tiles are whole pages of 8-row groups");
     if (j < BOXES) tma_load_5d(dst + j * (ROWS / 8) * Tr::KV_GS, map, bar, 0, 0, it.kv_head * Tr::BLOCKS, 0, page);
-    return;
-  }
-  if (j < BOXES) {
+  } else if (j < BOXES) {
     const int kv0 = it.kv_begin + tile * Tr::CTA_KV;
     const uint32_t to = dst + j * ROWS * 128;
 #pragma unroll

@@ -93,10 +93,10 @@ struct Sm90Traits {
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
   // K and V tiles of a paged NHD kernel whose tile is several pages of 16k tokens (pages its TMA path copies as
-  // whole boxes, sm90/tma.cuh tma_kv) are "interleaved": 8-row groups of
-  // BLOCKS * 1024 bytes, each the group's 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so
-  // one TMA box {64, 8 rows, BLOCKS blocks, PAGE_SIZE / 8 groups} brings a whole page (sm90/tma.cuh), where the
-  // plain layout ([block][row][128 B]) takes a box per page and column block. The wgmma read either: the 8-row
+  // whole boxes, sm90/tma.cuh tma_kv) are "interleaved": 8-row groups of BLOCKS * 1024 bytes, each the group's
+  // 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so one TMA box {64, 8 rows, BLOCKS
+  // blocks, PAGE_SIZE / 8 groups} brings a whole page, where the plain layout ([block][row][128 B]) takes a box per
+  // page and column block. The wgmma read either: the 8-row
   // groups are KV_GS apart, the column blocks KV_STEP (attnjit/kv_load.cuh tile_offset, sm90/attention.cuh).
   static constexpr bool KV_INTERLEAVED = kKvInterleave && PAGED && !HND && !FP8_KV && BLOCKS >= 2 &&
                                          PAGE_SIZE % 16 == 0 && PAGE_SIZE < CTA_KV && CTA_KV % PAGE_SIZE == 0;

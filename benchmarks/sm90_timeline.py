@@ -186,13 +186,16 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # _POLY_EXP2 on the FMA pipe, not MUFU (the twenty-ninth session's poly_exp2, run 140) over the loop as
             # it is now; with --variant softcap: whether moving MUFU work off its pipe pays now that logits_scale
             # took an FMUL a logit out (NaN logits come out 0, not NaN: a what-if, not a kernel to keep)
-            # interleaved-kv: paged NHD K/V tiles interleaved, one TMA box a page with all of its 64-column blocks
-            # (Sm90Traits::KV_INTERLEAVED, off by default until it has run; the host's 5-D map too: _HOST_WHAT_IFS)
-            "interleaved-kv": ("constexpr bool kKvInterleave = false;", "constexpr bool kKvInterleave = true;"),
-            # v-box: V by TMA too, a box a page like K (tma_v_gather off on both sides: _HOST_WHAT_IFS; the kernel
-            # before run 129, whose host half the old what-if v-tma lacked); with interleaved-kv: the same over
-            # whole-page boxes (both what-ifs: --what-if interleaved-kv+v-box)
-            "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV;\n",
+            # plain-kv: paged K/V tiles in the plain layout (a TMA box a page and 64-column block, V gathered by
+            # cp.async), the default before run 147; the interleaved layout (Sm90Traits::KV_INTERLEAVED) off on both
+            # sides (the host's 5-D map too: _HOST_WHAT_IFS)
+            "plain-kv": ("constexpr bool kKvInterleave = true;", "constexpr bool kKvInterleave = false;"),
+            # v-gather: V gathered by cp.async over interleaved tiles too (K alone by TMA: run 147's interleaved-kv)
+            "v-gather": ("tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;\n",
+                         "tma_rows<Tr>() < Tr::CTA_KV;  // what-if v-gather\n"),
+            # v-box: V by TMA wherever K is, in the plain layout too (--what-if plain-kv+v-box: the kernel before
+            # run 129)
+            "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;\n",
                       "  return false;  // what-if v-box\n"),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
@@ -229,8 +232,16 @@ def _box16(tma_boxes):
     return boxes
 
 
+def _v_gathered(spec, tile) -> bool:
+    """sm90.tma_v_gather before run 147: V gathered wherever a paged tile is several boxes (what-if v-gather)."""
+    from attnjit.families import sm90
+    rows = sm90.tma_boxes(spec, tile)[1]
+    return spec.kv == "paged" and 0 < rows < tile.cta_kv
+
+
 _HOST_WHAT_IFS = {"ragged-box16": ("tma_boxes", _box16),   # the host's half of a what-if: sm90.<name> wrapped
-                  "interleaved-kv": ("kv_interleaved", lambda f: lambda spec, tile: f(spec, tile, enabled=True)),
+                  "plain-kv": ("kv_interleaved", lambda f: lambda spec, tile: f(spec, tile, enabled=False)),
+                  "v-gather": ("tma_v_gather", lambda _f: _v_gathered),
                   "v-box": ("tma_v_gather", lambda _f: lambda spec, tile: False)}
 
 

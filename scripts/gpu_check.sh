@@ -36,7 +36,7 @@ if [ "$what" = pack ]; then   # on the build machine: warm both caches and compr
   mkdir -p .carry
   for c in device-cache llama-cache; do tar -C ".$c" -cf - . | xz -T0 -6 >".carry/$c.tar.xz"; done
   # the timeline stage's kernels (carried as .timeline-cache): TIMELINE_BUILD, ';'-separated argument sets of
-  # sm90_timeline.py --build, e.g. "--no-stamps 8x2048;--no-stamps --what-if interleaved-kv 8x2048"
+  # sm90_timeline.py --build, e.g. "--no-stamps 8x2048;--no-stamps --what-if plain-kv 8x2048"
   if [ -n "${TIMELINE_BUILD:-}" ]; then
     IFS=';' read -ra tl_builds <<<"$TIMELINE_BUILD"
     for a in "${tl_builds[@]}"; do

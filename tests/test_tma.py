@@ -82,41 +82,43 @@ def test_interleaved_kv_args_bring_a_whole_page_in_one_box():
                                      (dict(kv="ragged", page_size=None), False),
                                      (dict(page_size=16, dtype=None, dtype_q="bf16", dtype_kv="e4m3"), False)])
 def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_16k_tokens(kw, want):
-    """Where the interleaved layout would apply once it is on (sm90.KV_INTERLEAVE, off until it has run on a GPU);
-    the template asserts that the header's Sm90Traits::KV_INTERLEAVED agrees."""
+    """Where the interleaved layout applies (sm90.KV_INTERLEAVE, on since run 147; enabled=False is the what-if
+    plain-kv's host half); the template asserts that the header's Sm90Traits::KV_INTERLEAVED agrees. Where it
+    applies, V comes by TMA too: no tile gathers V (sm90.tma_v_gather)."""
     spec = _spec(**kw)
-    assert all(sm90.kv_interleaved(spec, t, enabled=True) == want for t in sm90.tiles(spec))
-    assert not any(sm90.kv_interleaved(spec, t) for t in sm90.tiles(spec))
+    assert all(sm90.kv_interleaved(spec, t) == want for t in sm90.tiles(spec))
+    assert not any(sm90.kv_interleaved(spec, t, enabled=False) for t in sm90.tiles(spec))
+    if want:
+        assert not any(sm90.tma_v_gather(spec, t) for t in sm90.tiles(spec))
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("what_if,k_boxes,v_boxes", [("interleaved-kv", 2, 0), ("interleaved-kv+v-box", 2, 4),
-                                                     ("v-box", 4, 8)])
-def test_the_interleaved_what_if_kernels_build_with_a_box_a_page(tmp_path, what_if, k_boxes, v_boxes):
-    """benchmarks/sm90_timeline.py's what-ifs of the interleaved tiles (the next GPU run's A/B) build for sm_90a with
-    the host's half applied: K (and with v-box V) by one 5-D box a page where the plain kernel issues a 4-D box a
-    page and 64-column block (the copy sites in the SASS: K's 2, V's 4, each once or per column block); no local
-    memory (spills)."""
+@pytest.mark.parametrize("what_if,five,four", [(None, 6, 0), ("v-gather", 2, 0), ("plain-kv", 0, 4),
+                                               ("plain-kv+v-box", 0, 12)])
+def test_the_interleaved_tiles_and_their_what_ifs_build_with_a_box_a_page(tmp_path, what_if, five, four):
+    """The default kernel (interleaved tiles) and benchmarks/sm90_timeline.py's what-ifs of them (the A/B of run 147)
+    build for sm_90a with the host's half applied. Interleaved: K and V by one 5-D box a page (the copy sites in the
+    SASS: K's 2, V's 4), or K alone where V is gathered (v-gather); plain: a 4-D box a page and 64-column block, K
+    alone (plain-kv, the default before run 147) or V too (plain-kv+v-box). No local memory (spills)."""
     from benchmarks import sm90_timeline as tl
 
     spec = _spec(page_size=16, tile="kv128")
     saved = {n: getattr(sm90, n) for n in ("kv_interleaved", "tma_v_gather")}
     render.cache_clear()   # a render is memoized by its spec: the patched host's must neither reuse nor stay
+    names = what_if.split("+") if what_if else []
     try:
-        for w in what_if.split("+"):
+        for w in names:
             if w in tl._HOST_WHAT_IFS:
                 name, wrap = tl._HOST_WHAT_IFS[w]
                 setattr(sm90, name, wrap(getattr(sm90, name)))
         src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
-        interleaved = "interleaved-kv" in what_if.split("+")
-        assert f"KV_INTERLEAVED == {'true' if interleaved else 'false'}" in src
+        assert f"KV_INTERLEAVED == {'false' if 'plain-kv' in names else 'true'}" in src
         log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
     finally:
         for n, f in saved.items():
             setattr(sm90, n, f)
         render.cache_clear()
-    five, four = len(re.findall(r"\bUTMALDG\.5D\b", sass)), len(re.findall(r"\bUTMALDG\.4D\b", sass))
-    assert (five, four) == ((k_boxes + v_boxes, 0) if interleaved else (0, k_boxes + v_boxes))
+    assert (len(re.findall(r"\bUTMALDG\.5D\b", sass)), len(re.findall(r"\bUTMALDG\.4D\b", sass))) == (five, four)
     assert_no_spills(log, sass)
 
 
@@ -248,19 +250,20 @@ def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkey
 
 
 @pytest.mark.nvcc
-@pytest.mark.parametrize("kw,copies,stores", [(dict(page_size=16), 8, 4), (dict(kv="ragged", page_size=None), 16, 4),
-                                              (dict(page_size=1), 2, 2), (dict(page_size=16, group_size=5), 4, 0),
-                                              (dict(page_size=16, layout="HND"), 8, 4)])
-def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, stores):
+@pytest.mark.parametrize("kw,copies,five,stores", [(dict(page_size=16), 10, 6, 4),
+                                                   (dict(kv="ragged", page_size=None), 16, 0, 4),
+                                                   (dict(page_size=1), 2, 0, 2), (dict(page_size=16, group_size=5), 6, 6, 0),
+                                                   (dict(page_size=16, layout="HND"), 8, 0, 4)])
+def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, five, stores):
     """UTMALDG (cp.async.bulk.tensor loads) in the SASS: Q's two 64-column boxes and each K/V copy site's, per
     kernel of the module (page 16 and ragged: kv128 and kv176q1; page 1, one kernel: Q only; 5 heads a group: K/V
-    only; page 16 copies K alone by TMA and gathers V, sm90/tma.cuh tma_v_gather, so half a ragged kernel's K/V
-    sites; NHD and HND alike while the interleaved tiles are off, sm90.KV_INTERLEAVE); UTMASTG
-    (its stores): the output's two 64-column boxes per kernel, none where a warpgroup's 64 rows are not whole
-    tokens."""
+    only). Paged NHD page 16 takes interleaved tiles (sm90.kv_interleaved): K and V by one 5-D box a page (3 sites a
+    kernel); HND keeps the plain layout, K by a 4-D box a page and column block, V gathered (sm90/tma.cuh
+    tma_v_gather), half a ragged kernel's K/V sites. UTMASTG (its stores): the output's two 64-column boxes per
+    kernel, none where a warpgroup's 64 rows are not whole tokens."""
     spec = _spec(**kw)
     log, sass = compile_kernel(tmp_path, spec, sass=True)
     assert len(re.findall(r"\bUTMALDG\b", sass)) == copies
-    assert "UTMALDG.5D" not in sass   # the interleaved tiles' page boxes: off by default
+    assert len(re.findall(r"\bUTMALDG\.5D\b", sass)) == five
     assert len(re.findall(r"\bUTMASTG\b", sass)) == stores
     assert "static_assert(sizeof(AttentionParams)" in render(spec).source

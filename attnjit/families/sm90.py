@@ -244,16 +244,18 @@ def tma_boxes(spec: "AttentionSpec", tile: Tile) -> tuple[tuple[int, int] | None
 
 def tma_v_gather(spec: "AttentionSpec", tile: Tile) -> bool:
     """Whether ``tile``'s kernel gathers V by cp.async where it copies K by TMA (sm90/tma.cuh tma_v_gather): a paged
-    kernel whose K/V tile is several boxes (pages smaller than the tile)."""
+    kernel whose K/V tile is several boxes (pages smaller than the tile) in the plain layout (interleaved tiles,
+    kv_interleaved, take V by TMA too)."""
     rows = tma_boxes(spec, tile)[1]
-    return spec.kv == "paged" and 0 < rows < tile.cta_kv
+    return spec.kv == "paged" and 0 < rows < tile.cta_kv and not kv_interleaved(spec, tile)
 
 
 # Paged NHD K/V tiles of several pages of 16k tokens (whole TMA boxes, tma_boxes) can be interleaved
 # (Sm90Traits::KV_INTERLEAVED, sm90/tma.cuh): one TMA box a page brings all of its column blocks (the 5-D map of
-# tma.kv_args), where the plain layout takes a box a page and 64-column block. (The template asserts that this and the header agree.) Off until it has run on a GPU
-# (sm90/traits.cuh kKvInterleave; benchmarks/sm90_timeline.py --what-if interleaved-kv turns both on).
-KV_INTERLEAVE = False
+# tma.kv_args), where the plain layout takes a box a page and 64-column block; V comes by TMA too (tma_v_gather).
+# The template asserts that this and the header (sm90/traits.cuh kKvInterleave) agree; benchmarks/sm90_timeline.py
+# --what-if plain-kv turns both off for an A/B (run 147, RESULTS.md).
+KV_INTERLEAVE = True
 
 
 def kv_interleaved(spec: "AttentionSpec", tile: Tile, enabled: bool | None = None) -> bool:

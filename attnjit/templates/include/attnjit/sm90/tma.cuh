@@ -66,10 +66,13 @@ __host__ __device__ constexpr bool tma_kv() {
 // slower than the consumers use them. (Run 128, H100: a ragged kernel made to copy 16-row boxes ran causal 8x2048 at
 // 544 TFLOP/s against 585 with whole-tile boxes, which is where the paged kernel ran; computing the page ids instead
 // of reading them gained 1%.) Split between the two paths, each carries half the tile: run 129 (H100, causal, page
-// 16) 8x2048 547 TFLOP/s against 533 with V by TMA, 1x8192 596 against 572, 32x512 345 against 332.
+// 16) 8x2048 547 TFLOP/s against 533 with V by TMA, 1x8192 596 against 572, 32x512 345 against 332. Interleaved
+// tiles (Tr::KV_INTERLEAVED) take a box a page with all of its column blocks, half as many boxes of twice the
+// bytes, and there V by TMA wins: run 147 (H100) 8x2048 583 against 565 with V gathered, 1x8192 656 against 630,
+// 32x512 391 against 380.
 template <typename Tr>
 __host__ __device__ constexpr bool tma_v_gather() {
-  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV;
+  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;
 }
 
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {

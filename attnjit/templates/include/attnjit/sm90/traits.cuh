@@ -9,9 +9,10 @@
 namespace attnjit {
 
 // Whether paged NHD K/V tiles take the interleaved layout (Sm90Traits::KV_INTERLEAVED; the host's
-// sm90.kv_interleaved says the same, and the template asserts it). Off until it has run on a GPU: the what-if
-// interleaved-kv of benchmarks/sm90_timeline.py turns it on for the A/B (thirty-third session, RESULTS.md).
-constexpr bool kKvInterleave = false;
+// sm90.kv_interleaved says the same, and the template asserts it). With it, V comes by TMA too (tma.cuh
+// tma_v_gather). Run 147 (H100, causal page 16, benchmarks/sm90_timeline.py --time): 8x2048 583 TFLOP/s against
+// 558 with the plain layout, 1x8192 656 against 629, 32x512 391 against 380; the what-if plain-kv turns it off.
+constexpr bool kKvInterleave = true;
 
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>

@@ -197,6 +197,11 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # run 129)
             "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;\n",
                       "  return false;  // what-if v-box\n"),
+            # d256-regs: head_dim 256 over a 16-bit cache with the fp8 cache's register budgets, producer 32 and
+            # consumers 232 (not 24 / 240): its producer spills 8 bytes with interleaved tiles and V by TMA (page 16;
+            # 4 at fp16 non-causal, and 8 at HND page 64 before them), none with 32 (the consumers none at 232)
+            "d256-regs": (("HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24)", "HEAD_DIM_ > 128 ? 32"),
+                          ("HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240)", "HEAD_DIM_ > 128 ? 232")),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
@@ -292,9 +297,9 @@ def best_ms(run, calls: int = 40, rounds: int = 5) -> float:
     return best
 
 
-def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5) -> float:
-    """TFLOP/s of ``run`` by best_ms (causal FLOPs 4 B H D L^2 / 2, H = 32 query heads, D = 128)."""
-    flops = 4 * b * 32 * 128 * L * L * (0.5 if causal else 1.0)
+def tflops(run, b: int, L: int, causal: bool, calls: int = 40, rounds: int = 5, head_dim: int = 128) -> float:
+    """TFLOP/s of ``run`` by best_ms (causal FLOPs 4 B H D L^2 / 2, H = 32 query heads, D = head_dim)."""
+    flops = 4 * b * 32 * head_dim * L * L * (0.5 if causal else 1.0)
     return flops / (best_ms(run, calls, rounds) * 1e-3) / 1e12
 
 
@@ -371,6 +376,8 @@ def main() -> int:
     ap.add_argument("--build", action="store_true", help="compile the stamped kernels into the cache and stop")
     ap.add_argument("--non-causal", action="store_true")
     ap.add_argument("--kv", default="bf16", choices=("bf16", "e4m3"), help="the cache's type (e4m3: the fp8 path)")
+    ap.add_argument("--head-dim", type=int, default=128, choices=(128, 256),
+                    help="the rows' head dim (256: with --no-stamps; the stamps' patches are head_dim 128's loop)")
     ap.add_argument("--tile", default=None, help="an sm90 tile configuration (default: the family's default)")
     ap.add_argument("--variant", default=None, choices=sorted(VARIANTS),
                     help="a built-in variant's kernel and plan (softcap: logits_soft_cap 30)")
@@ -392,7 +399,10 @@ def main() -> int:
     ragged = args.layout == "ragged"
     if ragged and args.kv != "bf16":
         raise SystemExit("sm90_timeline.py: --layout ragged is over a bf16 cache only")
-    spec = _spec(not args.non_causal, args.kv, tile=args.tile, ragged=ragged)
+    if args.head_dim != 128 and not args.no_stamps:
+        raise SystemExit("sm90_timeline.py: --head-dim 256 times the kernel only: add --no-stamps")
+    D = args.head_dim
+    spec = _spec(not args.non_causal, args.kv, tile=args.tile, head_dim=D, ragged=ragged)
     extra: dict = {}
     if args.variant:
         variant, extra = VARIANTS[args.variant]
@@ -410,35 +420,35 @@ def main() -> int:
     for shape in args.shapes:
         b, L = (int(x) for x in shape.split("x"))
         qo = torch.arange(0, b * L + 1, L, dtype=torch.int32, device="cuda")
-        q = torch.randn(b * L, 32, 128, dtype=torch.bfloat16, device="cuda")
+        q = torch.randn(b * L, 32, D, dtype=torch.bfloat16, device="cuda")
         ws = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
         causal = not args.non_causal
         if ragged:
-            k = torch.randn(b * L, 8, 128, dtype=torch.bfloat16, device="cuda")
+            k = torch.randn(b * L, 8, D, dtype=torch.bfloat16, device="cuda")
             v = torch.randn_like(k)
             w = attnjit.BatchPrefillWithRaggedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
-            w.plan(qo, qo, 32, 8, 128, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True, **extra)
+            w.plan(qo, qo, 32, 8, D, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True, **extra)
             run = lambda: w.run(q, k, v)  # noqa: E731
         else:
-            indptr, indices, last, cache = paged_tables(b, L, seed=1)
+            indptr, indices, last, cache = paged_tables(b, L, seed=1, head_dim=D)
             if args.layout == "paged-seq":   # the same tables with the pages in order: request r's at r * n ..
                 indices = torch.arange(indices.numel(), dtype=torch.int32, device="cuda")
             w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
             if args.kv == "e4m3":
                 cache = cache.to(torch.float8_e4m3fn)
-            w.plan(qo, indptr, indices, last, 32, 8, 128, 16, causal=causal, q_data_type=torch.bfloat16,
+            w.plan(qo, indptr, indices, last, 32, 8, D, 16, causal=causal, q_data_type=torch.bfloat16,
                    kv_data_type=cache.dtype, disable_split_kv=True, **extra)
             run = lambda: w.run(q, cache)  # noqa: E731
             if args.kv == "bf16":
-                rows = cache[indices.long()].reshape(b, -1, 2, 16, 8, 128)   # request r's pages, in table order
-                k = rows[:, :, 0].reshape(b, -1, 8, 128)[:, :L].reshape(b * L, 8, 128)
-                v = rows[:, :, 1].reshape(b, -1, 8, 128)[:, :L].reshape(b * L, 8, 128)
+                rows = cache[indices.long()].reshape(b, -1, 2, 16, 8, D)   # request r's pages, in table order
+                k = rows[:, :, 0].reshape(b, -1, 8, D)[:, :L].reshape(b * L, 8, D)
+                v = rows[:, :, 1].reshape(b, -1, 8, D)[:, :L].reshape(b * L, 8, D)
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran
         for _ in range(3):
             run()
         if args.time:
             t0 = time.time()
-            out[shape] = {"tflops": round(tflops(run, b, L, causal), 1)}
+            out[shape] = {"tflops": round(tflops(run, b, L, causal, head_dim=D), 1)}
             out[shape]["span"] = [t0, time.time()]   # for benchmarks/clocks.py
             out[shape]["tma"] = w._plan.tma_used   # what the TMA unit copied (a map the driver refused: cp.async)
             if args.kv == "bf16" and not args.variant:   # a what-if that breaks the results says so here

@@ -11,8 +11,10 @@ import torch
 H_Q, H_KV, D = 32, 8, 128
 
 
-def paged_tables(batch: int, kv_len: int, seed: int = 0, *, page_size: int = 16, dtype=torch.bfloat16):
-    """(kv_indptr, kv_indices, kv_last_page_len, cache [pages, 2, page_size, H_kv, D] or None), all on the GPU."""
+def paged_tables(batch: int, kv_len: int, seed: int = 0, *, page_size: int = 16, dtype=torch.bfloat16,
+                 head_dim: int = D):
+    """(kv_indptr, kv_indices, kv_last_page_len, cache [pages, 2, page_size, H_kv, head_dim] or None), all on the
+    GPU."""
     pages_per = -(-kv_len // page_size)
     total = batch * pages_per
     ids = list(range(total))
@@ -20,7 +22,7 @@ def paged_tables(batch: int, kv_len: int, seed: int = 0, *, page_size: int = 16,
     indptr = torch.arange(0, total + 1, pages_per, dtype=torch.int32, device="cuda")
     indices = torch.tensor(ids, dtype=torch.int32, device="cuda")
     last = torch.full((batch,), kv_len - page_size * (pages_per - 1), dtype=torch.int32, device="cuda")
-    cache = None if dtype is None else torch.randn(total, 2, page_size, H_KV, D, dtype=dtype, device="cuda")
+    cache = None if dtype is None else torch.randn(total, 2, page_size, H_KV, head_dim, dtype=dtype, device="cuda")
     return indptr, indices, last, cache
 
 

@@ -270,7 +270,8 @@ def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkey
 @pytest.mark.nvcc
 @pytest.mark.parametrize("kw,copies,five,stores", [(dict(page_size=16), 10, 6, 4),
                                                    (dict(kv="ragged", page_size=None), 16, 0, 4),
-                                                   (dict(page_size=1), 2, 0, 2), (dict(page_size=16, group_size=5), 6, 6, 0),
+                                                   (dict(page_size=1), 2, 0, 2),
+                                                   (dict(page_size=16, group_size=5), 6, 6, 0),
                                                    (dict(page_size=16, layout="HND"), 8, 0, 4)])
 def test_sm90_kernels_issue_tma_copies_where_their_tiles_allow(tmp_path, kw, copies, five, stores):
     """UTMALDG (cp.async.bulk.tensor loads) in the SASS: Q's two 64-column boxes and each K/V copy site's, per

@@ -27,6 +27,10 @@ built. Over a bf16 cache without a variant ``--time`` also checks the output aga
     python3 benchmarks/sm90_timeline.py --build --no-stamps --what-if no-store 32x512
     python3 benchmarks/sm90_timeline.py --no-stamps --time 32x512 8x2048 1x8192                # as built
     python3 benchmarks/sm90_timeline.py --no-stamps --time --what-if no-store 32x512 8x2048 1x8192
+
+``--head-dim 256`` times (and checks) the head_dim 256 kernel instead, with ``--no-stamps`` only:
+
+    python3 benchmarks/sm90_timeline.py --no-stamps --time --head-dim 256 --what-if d256-regs 8x2048 1x8192
 """
 
 from __future__ import annotations
@@ -176,7 +180,8 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
                              ("c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0);",
                               "c * 64, it.kv_head, static_cast<int>(it.kv_base) + kv0 + j * ROWS);")),
             # k-gather: K gathered by the producer's cp.async too where V is (only Q and O by TMA): whether the TMA
-            # unit's share of a multi-box tile still limits it
+            # unit's share of a multi-box tile still limits it (where V is gathered: with plain-kv or v-gather; no
+            # host half, so the record still says "k")
             "k-gather": ("&& !(IS_V && tma_v_gather<Tr>())) {", "&& !tma_v_gather<Tr>()) {"),
             # tma-one-warp: a tile's boxes issued by lanes of the producer's first warp (box j by lane j), as before
             # run 130: the A/B of tma_box_of

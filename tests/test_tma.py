@@ -96,10 +96,11 @@ def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_16k_tokens(kw, w
 @pytest.mark.parametrize("what_if,five,four", [(None, 6, 0), ("v-gather", 2, 0), ("plain-kv", 0, 4),
                                                ("plain-kv+v-box", 0, 12)])
 def test_the_interleaved_tiles_and_their_what_ifs_build_with_a_box_a_page(tmp_path, what_if, five, four):
-    """The default kernel (interleaved tiles) and benchmarks/sm90_timeline.py's what-ifs of them (the A/B of run 147)
-    build for sm_90a with the host's half applied. Interleaved: K and V by one 5-D box a page (the copy sites in the
-    SASS: K's 2, V's 4), or K alone where V is gathered (v-gather); plain: a 4-D box a page and 64-column block, K
-    alone (plain-kv, the default before run 147) or V too (plain-kv+v-box). No local memory (spills)."""
+    """The default module (interleaved tiles; tile="kv128" is the default's name, so the module holds kv176q1 too) and
+    benchmarks/sm90_timeline.py's what-ifs of it (the A/B of run 147) build for sm_90a with the host's half applied.
+    Interleaved: K and V by one 5-D box a page (the copy sites in the SASS of the two kernels: 6), or K alone where V
+    is gathered (v-gather: 2); plain: a 4-D box a page and 64-column block, K alone (plain-kv, the default before run
+    147: 4) or V too (plain-kv+v-box: 12). No local memory (spills)."""
     from benchmarks import sm90_timeline as tl
 
     spec = _spec(page_size=16, tile="kv128")
@@ -124,11 +125,11 @@ def test_the_interleaved_tiles_and_their_what_ifs_build_with_a_box_a_page(tmp_pa
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("kw", [dict(head_dim=256), dict(head_dim=256, dtype="fp16", mask="none"),
-                                dict(head_dim=256, page_size=64, layout="HND")])
+                                dict(head_dim=256, page_size=32), dict(head_dim=256, page_size=64, layout="HND")])
 def test_the_d256_regs_what_if_builds_head_dim_256_without_spills(tmp_path, kw):
     """benchmarks/sm90_timeline.py's d256-regs (the next GPU run's A/B): head_dim 256 over a 16-bit cache with the
     producer at 32 registers and the consumers at 232. The default's producer (24) spills 4-8 bytes there with
-    interleaved tiles and V by TMA (page 16; HND page 64 did before them), which run 148 measured faster than the
+    interleaved tiles and V by TMA (pages 16 and 32; HND page 64 did before them), which run 148 measured faster than the
     plain layout anyway (causal d256 8x2048 544 against 525 TFLOP/s, H100): this build has no local memory."""
     from benchmarks import sm90_timeline as tl
 
@@ -239,6 +240,30 @@ def test_copies_fill_of_a_v_gathering_kernel_encodes_k_alone(monkeypatch):
     assert vals[i["tma_v"]] == bytes(128)
     assert copies.fill(vals, _Q(), 0x20008, 0x40000, **kw) == "q" and vals[i["tma_flags"]] == tma.FLAG_Q
     assert vals[i["tma_k"]] == bytes(128)
+
+
+def test_copies_fill_of_an_interleaved_kernel_encodes_k_and_v_by_the_5d_map(monkeypatch):
+    """The default paged kernel (interleaved tiles, V by TMA too: sm90.kv_interleaved, not sm90.tma_v_gather) reads
+    both descriptors, each a 5-D map of its own cache, a box a page with all of its column blocks; a V that TMA cannot
+    read takes K off TMA too (one flag for both), and the record says "q"."""
+    lay = attention_layout(None, "sm90")
+    i = lay.index
+    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), interleaved=True)
+    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
+    seen = []
+    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
+    vals = [0] * len(lay.names)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "q+kv"
+    k_map, v_map = seen[1], seen[2]
+    assert (k_map.address, v_map.address) == (0x20000, 0x40000)
+    want = tma.kv_args(0x20000, "bf16", paged=True, hnd=False, box_rows=16, interleaved=True, **kw)
+    assert len(k_map.dims) == len(v_map.dims) == 5 and k_map.box == v_map.box == want.box
+    assert k_map.dims == v_map.dims == want.dims and k_map.strides == v_map.strides == want.strides
+    assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV
+    assert (vals[i["tma_k"]], vals[i["tma_v"]]) == (bytes([2]) * 128, bytes([3]) * 128)
+    assert copies.fill(vals, _Q(), 0x20000, 0x40008, **kw) == "q" and vals[i["tma_flags"]] == tma.FLAG_Q
+    assert vals[i["tma_k"]] == vals[i["tma_v"]] == bytes(128)
 
 
 def test_copies_fill_encodes_the_output_where_the_kernel_stores_it_by_tma(monkeypatch):

@@ -80,7 +80,12 @@ def test_interleaved_kv_args_bring_a_whole_page_in_one_box():
                                      (dict(page_size=8), False),   # no TMA path: pages of 16k tokens only
                                      (dict(page_size=16, head_dim=64), False), (dict(page_size=16, head_dim=256), True),
                                      (dict(kv="ragged", page_size=None), False),
-                                     (dict(page_size=16, dtype=None, dtype_q="bf16", dtype_kv="e4m3"), False)])
+                                     (dict(page_size=16, dtype=None, dtype_q="bf16", dtype_kv="e4m3"), False),
+                                     # by the tile: whole pages smaller than it
+                                     (dict(page_size=32, tile="kv160"), True),
+                                     (dict(page_size=32, tile="kv176q1"), False),   # 176 is not whole pages of 32
+                                     (dict(page_size=64, tile="kv64s3"), False),    # a page is the whole tile
+                                     (dict(page_size=64, head_dim=256), False)])    # d256's tile is 64 tokens
 def test_kv_interleaved_takes_paged_nhd_tiles_of_whole_pages_of_16k_tokens(kw, want):
     """Where the interleaved layout applies (sm90.KV_INTERLEAVE, on since run 147; enabled=False is the what-if
     plain-kv's host half); the template asserts that the header's Sm90Traits::KV_INTERLEAVED agrees. Where it

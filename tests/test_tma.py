@@ -228,17 +228,22 @@ def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
     assert vals[i["tma_q"]] == bytes(128)
 
 
+def _page16_copies(monkeypatch, **copies_kw):
+    """A page-16 d128 kernel's Copies (no O box), fill's keyword arguments for its cache, the MapArgs encode() was
+    given (each encoded as 128 bytes of its 1-based index) and an empty struct: (index, copies, kw, seen, vals)."""
+    i = attention_layout(None, "sm90").index
+    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
+                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), **copies_kw)
+    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
+    seen: list = []
+    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
+    return i, copies, kw, seen, [0] * len(attention_layout(None, "sm90").names)
+
+
 def test_copies_fill_of_a_v_gathering_kernel_encodes_k_alone(monkeypatch):
     """A kernel that gathers V (sm90.tma_v_gather: pages smaller than its tile) reads K's descriptor only: V's is
     not encoded, a V that TMA could not read leaves K by TMA, and the record says "q+k"; an unaligned K turns K off."""
-    lay = attention_layout(None, "sm90")
-    i = lay.index
-    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
-                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), v_gather=True)
-    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
-    seen = []
-    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
-    vals = [0] * len(lay.names)
+    i, copies, kw, seen, vals = _page16_copies(monkeypatch, v_gather=True)
     assert copies.fill(vals, _Q(), 0x20000, 0x40008, **kw) == "q+k"   # V unaligned: no matter, it is gathered
     assert [a.address for a in seen] == [0x10000, 0x20000]
     assert vals[i["tma_flags"]] == tma.FLAG_Q | tma.FLAG_KV and vals[i["tma_k"]] == bytes([2]) * 128
@@ -251,14 +256,7 @@ def test_copies_fill_of_an_interleaved_kernel_encodes_k_and_v_by_the_5d_map(monk
     """The default paged kernel (interleaved tiles, V by TMA too: sm90.kv_interleaved, not sm90.tma_v_gather) reads
     both descriptors, each a 5-D map of its own cache, a box a page with all of its column blocks; a V that TMA cannot
     read takes K off TMA too (one flag for both), and the record says "q"."""
-    lay = attention_layout(None, "sm90")
-    i = lay.index
-    copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
-                        slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), interleaved=True)
-    kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
-    seen = []
-    monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
-    vals = [0] * len(lay.names)
+    i, copies, kw, seen, vals = _page16_copies(monkeypatch, interleaved=True)
     assert copies.fill(vals, _Q(), 0x20000, 0x40000, **kw) == "q+kv"
     k_map, v_map = seen[1], seen[2]
     assert (k_map.address, v_map.address) == (0x20000, 0x40000)

@@ -242,16 +242,16 @@ def _box16(tma_boxes):
     return boxes
 
 
-def _v_gathered(spec, tile) -> bool:
-    """sm90.tma_v_gather before run 147: V gathered wherever a paged tile is several boxes (what-if v-gather)."""
+def _v_gathered(tma_v_gather):
+    """sm90.tma_v_gather as before run 147 (what-if v-gather): V gathered over interleaved tiles too, which are
+    exactly the multi-box paged tiles the rule now leaves out."""
     from attnjit.families import sm90
-    rows = sm90.tma_boxes(spec, tile)[1]
-    return spec.kv == "paged" and 0 < rows < tile.cta_kv
+    return lambda spec, tile: tma_v_gather(spec, tile) or sm90.kv_interleaved(spec, tile)
 
 
 _HOST_WHAT_IFS = {"ragged-box16": ("tma_boxes", _box16),   # the host's half of a what-if: sm90.<name> wrapped
                   "plain-kv": ("kv_interleaved", lambda f: lambda spec, tile: f(spec, tile, enabled=False)),
-                  "v-gather": ("tma_v_gather", lambda _f: _v_gathered),
+                  "v-gather": ("tma_v_gather", _v_gathered),
                   "v-box": ("tma_v_gather", lambda _f: lambda spec, tile: False)}
 
 

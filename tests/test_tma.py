@@ -231,13 +231,14 @@ def test_copies_fill_sets_flags_only_for_what_was_encoded(monkeypatch):
 def _page16_copies(monkeypatch, **copies_kw):
     """A page-16 d128 kernel's Copies (no O box), fill's keyword arguments for its cache, the MapArgs encode() was
     given (each encoded as 128 bytes of its 1-based index) and an empty struct: (index, copies, kw, seen, vals)."""
-    i = attention_layout(None, "sm90").index
+    lay = attention_layout(None, "sm90")
+    i = lay.index
     copies = tma.Copies(q_box=(4, 128), kv_rows=16, dtype="bf16", paged=True, hnd=False,
                         slots=(i["tma_flags"], i["tma_q"], i["tma_k"], i["tma_v"]), **copies_kw)
     kw = dict(rows=64, page_size=16, heads=8, head_dim=128, stride0=16 * 8 * 128, stride1=8 * 128)
     seen: list = []
     monkeypatch.setattr(tma, "encode", lambda a: seen.append(a) or bytes([len(seen)]) * 128)
-    return i, copies, kw, seen, [0] * len(attention_layout(None, "sm90").names)
+    return i, copies, kw, seen, [0] * len(lay.names)
 
 
 def test_copies_fill_of_a_v_gathering_kernel_encodes_k_alone(monkeypatch):

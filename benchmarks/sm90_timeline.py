@@ -30,7 +30,7 @@ built. Over a bf16 cache without a variant ``--time`` also checks the output aga
 
 ``--head-dim 256`` times (and checks) the head_dim 256 kernel instead, with ``--no-stamps`` only:
 
-    python3 benchmarks/sm90_timeline.py --no-stamps --time --head-dim 256 --what-if d256-regs 8x2048 1x8192
+    python3 benchmarks/sm90_timeline.py --no-stamps --time --head-dim 256 8x2048 1x8192
 """
 
 from __future__ import annotations
@@ -202,11 +202,6 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # run 129)
             "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;\n",
                       "  return false;  // what-if v-box\n"),
-            # d256-regs: head_dim 256 over a 16-bit cache with the fp8 cache's register budgets, producer 32 and
-            # consumers 232 (not 24 / 240): its producer spills 8 bytes with interleaved tiles and V by TMA (page 16;
-            # 4 at fp16 non-causal, and 8 at HND page 64 before them), none with 32 (the consumers none at 232)
-            "d256-regs": (("HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24)", "HEAD_DIM_ > 128 ? 32"),
-                          ("HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240)", "HEAD_DIM_ > 128 ? 232")),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
@@ -316,10 +311,10 @@ ITEM_BASE = SMS_MAX * WGS * MAX_REC * 8  # int64s before the item records
 
 
 def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128,
-          ragged: bool = False) -> AttentionSpec:
+          ragged: bool = False, page_size: int = 16) -> AttentionSpec:
     """The benchmark's sm90 prefill spec (bf16 q, page 16, group 4) over a ``kv`` cache; sm90_sass.py's too. ``ragged``:
     the same over contiguous K/V tensors (the ragged wrapper)."""
-    paging = dict(kv="ragged") if ragged else dict(page_size=16)
+    paging = dict(kv="ragged") if ragged else dict(page_size=page_size)
     return AttentionSpec(op="prefill", head_dim=head_dim, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
                          mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a", tile=tile,
                          **paging)
@@ -391,6 +386,8 @@ def main() -> int:
                     help="patch the kernel (WHAT_IFS; several joined by +) before stamping")
     ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
     ap.add_argument("--time", action="store_true", help="also time run() back to back, TFLOP/s per shape")
+    ap.add_argument("--page-size", type=int, default=16, choices=(1, 16, 32, 64),
+                    help="the paged cache's page size (1: the token-granular caches, gathered by cp.async)")
     ap.add_argument("--layout", default="paged", choices=LAYOUTS,
                     help="the K/V operand: pages of 16 in shuffled order (the benchmark's), the same pages in order, "
                          "or contiguous K and V tensors (the ragged wrapper)")
@@ -407,7 +404,8 @@ def main() -> int:
     if args.head_dim != 128 and not args.no_stamps:
         raise SystemExit("sm90_timeline.py: --head-dim 256 times the kernel only: add --no-stamps")
     D = args.head_dim
-    spec = _spec(not args.non_causal, args.kv, tile=args.tile, head_dim=D, ragged=ragged)
+    ps = args.page_size
+    spec = _spec(not args.non_causal, args.kv, tile=args.tile, head_dim=D, ragged=ragged, page_size=ps)
     extra: dict = {}
     if args.variant:
         variant, extra = VARIANTS[args.variant]
@@ -435,17 +433,17 @@ def main() -> int:
             w.plan(qo, qo, 32, 8, D, causal=causal, q_data_type=torch.bfloat16, disable_split_kv=True, **extra)
             run = lambda: w.run(q, k, v)  # noqa: E731
         else:
-            indptr, indices, last, cache = paged_tables(b, L, seed=1, head_dim=D)
+            indptr, indices, last, cache = paged_tables(b, L, seed=1, head_dim=D, page_size=ps)
             if args.layout == "paged-seq":   # the same tables with the pages in order: request r's at r * n ..
                 indices = torch.arange(indices.numel(), dtype=torch.int32, device="cuda")
             w = attnjit.BatchPrefillWithPagedKVCacheWrapper(ws, backend="fa3", tile=args.tile)
             if args.kv == "e4m3":
                 cache = cache.to(torch.float8_e4m3fn)
-            w.plan(qo, indptr, indices, last, 32, 8, D, 16, causal=causal, q_data_type=torch.bfloat16,
+            w.plan(qo, indptr, indices, last, 32, 8, D, ps, causal=causal, q_data_type=torch.bfloat16,
                    kv_data_type=cache.dtype, disable_split_kv=True, **extra)
             run = lambda: w.run(q, cache)  # noqa: E731
             if args.kv == "bf16":
-                rows = cache[indices.long()].reshape(b, -1, 2, 16, 8, D)   # request r's pages, in table order
+                rows = cache[indices.long()].reshape(b, -1, 2, ps, 8, D)   # request r's pages, in table order
                 k = rows[:, :, 0].reshape(b, -1, 8, D)[:, :L].reshape(b * L, 8, D)
                 v = rows[:, :, 1].reshape(b, -1, 8, D)[:, :L].reshape(b * L, 8, D)
         assert w._plan.spec == spec, (w._plan.spec, spec)  # the stamped kernel ran

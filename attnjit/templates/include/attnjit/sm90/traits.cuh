@@ -50,16 +50,19 @@ struct Sm90Traits {
   // ptxas's allocation under __launch_bounds__(threads, 1)); a consumer's setmaxnreg.inc waits until the producer's
   // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
   static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
-  // (head_dim 256 over fp8: the producer's ring counters and in-place conversion need 32)
+  // Head_dim 256: producer 32, consumers 232. (At 24 the producer spilled 4-8 bytes once a work item with
+  // interleaved tiles and V by TMA; run 149, H100, sm90_timeline.py --head-dim 256 --time: 32 / 232 as fast, 8x2048
+  // 584 / 589 against 591 / 584 TFLOP/s, 1x8192 622 / 606 against 615 / 621. Over fp8 its ring counters and in-place
+  // conversion need 32 too.)
   // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
   // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40.
   // Head_dim 64 with K/V tiles of 128 or fewer: O and S take 96 registers, so the consumers give 8 to the producer
   // (its loop-invariant copy addresses and page ids; the work order's claim, sm90/producer.cuh, tipped page 1 over).
   static constexpr bool SMALL_D = HEAD_DIM_ <= 64 && CTA_KV_ <= 128;
   static constexpr int PRODUCER_REGS =
-      CONSUMERS_ == 3 ? 32 : HEAD_DIM_ > 128 ? (FP8_KV ? 32 : 24) : CTA_KV_ > 128 ? 40 : SMALL_D ? 64 : 56;
+      CONSUMERS_ == 3 || HEAD_DIM_ > 128 ? 32 : CTA_KV_ > 128 ? 40 : SMALL_D ? 64 : 56;
   static constexpr int CONSUMER_REGS =
-      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 ? (FP8_KV ? 232 : 240) : CTA_KV_ > 128 ? 232 : SMALL_D ? 216 : 224;
+      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 || CTA_KV_ > 128 ? 232 : SMALL_D ? 216 : 224;
   static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;

@@ -202,6 +202,9 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # run 129)
             "v-box": ("  return tma_kv<Tr>() && Tr::PAGED && tma_rows<Tr>() < Tr::CTA_KV && !Tr::KV_INTERLEAVED;\n",
                       "  return false;  // what-if v-box\n"),
+            # page-offsets: the cp.async gather of pages smaller than a copy pass (page 1: --page-size 1) computing
+            # each row's offset in elements, checked and scaled, as before run 150 (kv_load.cuh gather_page_base)
+            "page-offsets": ("constexpr bool kGatherPageBase = true;", "constexpr bool kGatherPageBase = false;"),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("

@@ -128,6 +128,7 @@ def test_fa2_compiles_for_sm80(tmp_path):
 
 @pytest.mark.nvcc
 @pytest.mark.parametrize("head_dim,page_size,dtype,tile", [(128, 16, "bf16", None), (64, 1, "fp16", None),
+                                                       (128, 1, "bf16", None), (256, 16, "bf16", None),
                                                        (256, 0, "bf16", None), (128, 16, "bf16", "kv64s3"),
                                                        (128, 16, "fp16", "kv128q1"), (128, 16, "fp16", "kv128t8")])
 def test_sm90_compiles_to_hgmma_without_spills(tmp_path, head_dim, page_size, dtype, tile):
@@ -359,3 +360,27 @@ def test_sm90_timeline_specs_are_what_its_wrappers_plan(ragged, monkeypatch):
         w.plan(qo, pages, torch.arange(8 * 128, dtype=torch.int32), torch.full((8,), 16, dtype=torch.int32),
                32, 8, 128, 16, causal=True, q_data_type=torch.bfloat16, disable_split_kv=True)
     assert w._plan.spec == tl._spec(True, "bf16", ragged=ragged)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kw", [dict(page_size=1, dtype="bf16"), dict(page_size=4, dtype="fp16", layout="HND"),
+                                dict(page_size=8, dtype="bf16", mask="none")])
+def test_sm90_gathers_small_pages_from_per_thread_bases(tmp_path, kw):
+    """The producer's cp.async gather of pages smaller than a copy pass (attnjit/kv_load.cuh gather_page_base): a
+    row's address is the thread's base plus its page id times the page stride in bytes. Against the same kernel
+    computing each row's offset in elements (benchmarks/sm90_timeline.py's what-if page-offsets, the code before
+    run 150) it has fewer instructions, and neither spills where the default did not (page 1 bf16 spilled 8 bytes
+    before it, in the producer's item setup)."""
+    from benchmarks import sm90_timeline as tl
+
+    base = dict(op="prefill", head_dim=128, mask="causal", group_size=4, family="sm90", arch="sm_90a")
+    spec = AttentionSpec(**{**base, **kw})
+    count = {}
+    for what_if in (None, "page-offsets"):
+        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
+        assert f"kGatherPageBase = {'false' if what_if else 'true'};" in src
+        log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
+        if what_if is None:
+            assert_no_spills(log, sass, "the default small-page kernel")
+        count[what_if] = len(re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+\S", sass, re.M))
+    assert count[None] < count["page-offsets"] - 64, count

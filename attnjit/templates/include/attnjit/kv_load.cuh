@@ -18,6 +18,8 @@
 // (fa2/fp8_frags.cuh), or converts it into the 16-bit swizzled layout the mainloop reads (dequant_rows here, the
 // sm90 producer in place).
 #pragma once
+#include <type_traits>
+
 #include "attnjit/common.cuh"
 #include "attnjit/fp8.cuh"
 #include "attnjit/paged.cuh"
@@ -166,6 +168,24 @@ __host__ __device__ constexpr bool pass_in_page() {
          pages_nest(G::CTA_KV, G::PAGE_SIZE);
 }
 
+// Whether gather_kv addresses a row of pages smaller than a pass (RPP a multiple of PAGE_SIZE: 1, 2, 4, 8) from
+// per-thread bases: the thread's slot in its page is then the same on every pass, so a row's address is the base
+// plus its page id times the page stride in bytes (two integer multiply-adds a pass), not the full offset in
+// elements, checked and scaled (about ten). A family opts in with GATHER_PAGE_BASE (sm90: its producer issues the
+// copies beside the consumers' softmax; fa2 keeps the code it was tuned with). Not over an fp8 cache: its producer,
+// which converts the tiles in place, spilled 16 bytes with the bases live (page 1, sm_90a).
+template <typename G, typename = void>
+struct GatherPageBase : std::false_type {};
+template <typename G>
+struct GatherPageBase<G, std::void_t<decltype(G::GATHER_PAGE_BASE)>> : std::bool_constant<G::GATHER_PAGE_BASE> {};
+
+template <typename G>
+__host__ __device__ constexpr bool gather_page_base() {
+  constexpr int RPP = G::LOAD_THREADS / 8;
+  return GatherPageBase<G>::value && G::PAGED && G::PAGE_SIZE < RPP && RPP % G::PAGE_SIZE == 0 &&
+         sizeof(typename G::TKV) == 2;
+}
+
 // The page ids of a tile's copy passes, read from the shared ring that stage_page_ids fills.
 template <typename G>
 struct RingPageIds {
@@ -240,12 +260,33 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
   } else if constexpr (!G::PAGED) {
     thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * COL;
   }
+  // gather_page_base: the thread's row in page 0 (its slot, kv head and columns), in bytes from k and from v; a
+  // pass adds its page id (>= 0: plan() checks the table; 0 on rows past kv_stop, so in bounds) times the stride
+  const char *kb = nullptr, *vb = nullptr;
+  uint64_t page_bytes = 0;
+  if constexpr (gather_page_base<G>()) {
+    const int64_t row = paged_offset<G::HND, D>(0, slot_of<G::PAGE_SIZE>(kv0 + r0), it.kv_head, 0, p.kv_stride_1);
+    kb = reinterpret_cast<const char*>(k + row + c0 * COL);
+    vb = reinterpret_cast<const char*>(v + row + c0 * COL);
+    page_bytes = static_cast<uint64_t>(p.kv_stride_0) * sizeof(TKV);
+    // opaque to the compiler, which would otherwise fold the bytes back into elements (a multiply-add in elements
+    // and a scaled add of the base: four instructions a pass where the two below take two)
+    asm("mov.b64 %0, %0;" : "+l"(page_bytes));
+    asm("mov.b64 %0, %0;" : "+l"(kb));
+    asm("mov.b64 %0, %0;" : "+l"(vb));
+  }
+  const int rows_left = it.kv_stop - kv0 - r0;  // row r0 + s * RPP is valid while s * RPP < rows_left
 #pragma unroll
   for (int s = 0; s < PASSES; ++s) {
     const int r = r0 + s * RPP;
-    const bool valid = kv0 + r < it.kv_stop;
-    int64_t off;
-    if constexpr (PASS_IN_PAGE) {
+    const bool valid = gather_page_base<G>() ? s * RPP < rows_left : kv0 + r < it.kv_stop;
+    int64_t off = 0;
+    const TKV *kr = nullptr, *vr = nullptr;  // gather_page_base: the row's first element, in k and in v
+    if constexpr (gather_page_base<G>()) {
+      const uint64_t at = static_cast<uint64_t>(static_cast<uint32_t>(page_id(s))) * page_bytes;
+      kr = reinterpret_cast<const TKV*>(kb + at);
+      vr = reinterpret_cast<const TKV*>(vb + at);
+    } else if constexpr (PASS_IN_PAGE) {
       const int page = page_id(s);
       off = page * p.kv_stride_0 + thread_off + slot_of<G::PAGE_SIZE>(s * RPP) * slot_stride;
     } else if constexpr (G::PAGED) {
@@ -256,16 +297,20 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     } else {
       off = valid ? thread_off + static_cast<int64_t>(s * RPP) * p.kv_stride_0 : 0;
     }
+    if constexpr (!gather_page_base<G>()) {
+      kr = k + off;
+      vr = v + off;
+    }
     if constexpr (FP8) {
 #pragma unroll
       for (int j = 0; j < CPT; ++j) {  // copy j: bytes (c0 + 8 j) * CB of the row
         const uint32_t dst = G::stage8_offset(r, (c0 + 8 * j) * CB);
         if constexpr (CB == 16) {
-          if constexpr (LOAD_K) cp_async_16(ks + dst, k + off + j * 8 * CB, valid);
-          if constexpr (LOAD_V) cp_async_16(vs + dst, v + off + j * 8 * CB, valid);
+          if constexpr (LOAD_K) cp_async_16(ks + dst, kr + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_16(vs + dst, vr + j * 8 * CB, valid);
         } else {
-          if constexpr (LOAD_K) cp_async_ca<8>(ks + dst, k + off + j * 8 * CB, valid);
-          if constexpr (LOAD_V) cp_async_ca<8>(vs + dst, v + off + j * 8 * CB, valid);
+          if constexpr (LOAD_K) cp_async_ca<8>(ks + dst, kr + j * 8 * CB, valid);
+          if constexpr (LOAD_V) cp_async_ca<8>(vs + dst, vr + j * 8 * CB, valid);
         }
       }
     } else {
@@ -273,8 +318,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
                                         : tile_offset<G::KV_PITCH, G::KV_STEP, G::KV_GS>(r, c0);
 #pragma unroll
       for (int j = 0; j < CPT; ++j) {
-        if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, k + off + j * 64, valid);
-        if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, v + off + j * 64, valid);
+        if constexpr (LOAD_K) cp_async_16(ks + dst + j * G::KV_STEP, kr + j * 64, valid);
+        if constexpr (LOAD_V) cp_async_16(vs + dst + j * G::KV_STEP, vr + j * 64, valid);
       }
     }
   }

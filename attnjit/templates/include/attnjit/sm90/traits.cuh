@@ -14,6 +14,10 @@ namespace attnjit {
 // 558 with the plain layout, 1x8192 656 against 629, 32x512 391 against 380; the what-if plain-kv turns it off.
 constexpr bool kKvInterleave = true;
 
+// Whether the producer's cp.async gather addresses rows of pages smaller than a copy pass (1, 2, 4, 8 tokens) from
+// per-thread bases (attnjit/kv_load.cuh gather_page_base); the what-if page-offsets turns it off.
+constexpr bool kGatherPageBase = true;
+
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
@@ -96,6 +100,7 @@ struct Sm90Traits {
   static constexpr int SMEM_BYTES = PAIR_OFF + (Q_STAGES + 1) * 4 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
+  static constexpr bool GATHER_PAGE_BASE = kGatherPageBase;
   // K and V tiles of a paged NHD kernel whose tile is several pages of 16k tokens (pages its TMA path copies as
   // whole boxes, sm90/tma.cuh tma_kv) are "interleaved": 8-row groups of BLOCKS * 1024 bytes, each the group's
   // 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so one TMA box {64, 8 rows, BLOCKS

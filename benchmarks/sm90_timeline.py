@@ -315,8 +315,8 @@ ITEM_BASE = SMS_MAX * WGS * MAX_REC * 8  # int64s before the item records
 
 def _spec(causal: bool, kv: str, tile: str | None = None, head_dim: int = 128,
           ragged: bool = False, page_size: int = 16) -> AttentionSpec:
-    """The benchmark's sm90 prefill spec (bf16 q, page 16, group 4) over a ``kv`` cache; sm90_sass.py's too. ``ragged``:
-    the same over contiguous K/V tensors (the ragged wrapper)."""
+    """The benchmark's sm90 prefill spec (bf16 q, page ``page_size``: 16 unless said, group 4) over a ``kv`` cache;
+    sm90_sass.py's too. ``ragged``: the same over contiguous K/V tensors (the ragged wrapper)."""
     paging = dict(kv="ragged") if ragged else dict(page_size=page_size)
     return AttentionSpec(op="prefill", head_dim=head_dim, dtype_q="bf16", dtype_o="bf16", dtype_kv=kv,
                          mask="causal" if causal else "none", group_size=4, family="sm90", arch="sm_90a", tile=tile,
@@ -389,11 +389,11 @@ def main() -> int:
                     help="patch the kernel (WHAT_IFS; several joined by +) before stamping")
     ap.add_argument("--no-stamps", action="store_true", help="the kernel without stamps (with --time: its speed)")
     ap.add_argument("--time", action="store_true", help="also time run() back to back, TFLOP/s per shape")
-    ap.add_argument("--page-size", type=int, default=16, choices=(1, 16, 32, 64),
+    ap.add_argument("--page-size", type=int, default=16, choices=(1, 2, 4, 8, 16, 32, 64),
                     help="the paged cache's page size (1: the token-granular caches, gathered by cp.async)")
     ap.add_argument("--layout", default="paged", choices=LAYOUTS,
-                    help="the K/V operand: pages of 16 in shuffled order (the benchmark's), the same pages in order, "
-                         "or contiguous K and V tensors (the ragged wrapper)")
+                    help="the K/V operand: pages (--page-size) in shuffled order (the benchmark's), the same pages in "
+                         "order, or contiguous K and V tensors (the ragged wrapper)")
     args = ap.parse_args()
     jit.render = _stamped(jit.render, stamps=not args.no_stamps, what_if=args.what_if)
     for w in (args.what_if or "").split("+"):

@@ -367,10 +367,11 @@ def test_sm90_timeline_specs_are_what_its_wrappers_plan(ragged, monkeypatch):
                                 dict(page_size=8, dtype="bf16", mask="none")])
 def test_sm90_gathers_small_pages_from_per_thread_bases(tmp_path, kw):
     """The producer's cp.async gather of pages smaller than a copy pass (attnjit/kv_load.cuh gather_page_base): a
-    row's address is the thread's base plus its page id times the page stride in bytes. Against the same kernel
-    computing each row's offset in elements (benchmarks/sm90_timeline.py's what-if page-offsets, the code before
-    run 150) it has fewer instructions, and neither spills where the default did not (page 1 bf16 spilled 8 bytes
-    before it, in the producer's item setup)."""
+    row's address is the thread's base plus its page id times the page stride in bytes. The default build has no
+    local memory (the old code spilled 8 bytes at page 1 bf16, in the producer's item setup) and is shorter than
+    the same kernel computing each row's offset in elements (benchmarks/sm90_timeline.py's what-if page-offsets,
+    the code before run 150). Head_dim 256 and q192kv64 keep that code: their producers spilled more with the
+    bases (the second test)."""
     from benchmarks import sm90_timeline as tl
 
     base = dict(op="prefill", head_dim=128, mask="causal", group_size=4, family="sm90", arch="sm_90a")
@@ -384,3 +385,22 @@ def test_sm90_gathers_small_pages_from_per_thread_bases(tmp_path, kw):
             assert_no_spills(log, sass, "the default small-page kernel")
         count[what_if] = len(re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+\S", sass, re.M))
     assert count[None] < count["page-offsets"] - 64, count
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kw", [dict(head_dim=256, page_size=1, layout="HND", dtype="fp16"),
+                                dict(head_dim=64, page_size=1, dtype="bf16", tile="q192kv64")])
+def test_sm90_small_pages_keep_the_offsets_where_the_producer_is_tight(tmp_path, kw):
+    """Head_dim 256 and the three-consumer q192kv64 compute each row's offset in elements (Sm90Traits
+    GATHER_PAGE_BASE false): with the per-thread bases their producers spilled 4-20 bytes more (d256 page 1 HND 24
+    against 4). Their kernels are the page-offsets what-if's, instruction for instruction."""
+    from benchmarks import sm90_timeline as tl
+
+    base = dict(op="prefill", mask="causal", group_size=4, family="sm90", arch="sm_90a")
+    spec = AttentionSpec(**{**base, **kw})
+    sass = {}
+    for what_if in (None, "page-offsets"):
+        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
+        sass[what_if] = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+([^;]*);", compile_kernel(tmp_path, spec, sass=True,
+                                                                                        source=src)[1], re.M)
+    assert sass[None] and sass[None] == sass["page-offsets"]

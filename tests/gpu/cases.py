@@ -95,6 +95,13 @@ PAGED = [
     replace(_P, name="paged-d256-fp16-noncausal", head_dim=256, dtype=F16, causal=False),
     replace(_P, name="paged-p1", page_size=1),
     replace(_P, name="paged-p8-fp16", page_size=8, dtype=F16),
+    # pages of 2-8 tokens: the sm90 gather from per-thread bases (kv_load.cuh gather_page_base) at other slots, in
+    # HND, split, and head_dim 64 (head_dim 256 keeps the offsets)
+    replace(_P, name="paged-p2-hnd", page_size=2, layout="HND"),
+    replace(_P, name="paged-p4", page_size=4),
+    replace(_P, name="paged-p2-split-forced", page_size=2, split="force"),
+    replace(_P, name="paged-d64-p8-hnd", head_dim=64, page_size=8, layout="HND"),
+    replace(_P, name="paged-d256-p4-fp16", head_dim=256, page_size=4, dtype=F16),
     replace(_P, name="paged-p32-noncausal", page_size=32, causal=False),
     # pages larger than the KV tile (64 tokens; 32 at head_dim 256): a tile starts mid-page, and forced splits
     # start chunks mid-page too

@@ -170,10 +170,11 @@ __host__ __device__ constexpr bool pass_in_page() {
 
 // Whether gather_kv addresses a row of pages smaller than a pass (RPP a multiple of PAGE_SIZE: 1, 2, 4, 8) from
 // per-thread bases: the thread's slot in its page is then the same on every pass, so a row's address is the base
-// plus its page id times the page stride in bytes (two integer multiply-adds a pass), not the full offset in
-// elements, checked and scaled (about ten). A family opts in with GATHER_PAGE_BASE (sm90: its producer issues the
-// copies beside the consumers' softmax; fa2 keeps the code it was tuned with). Not over an fp8 cache: its producer,
-// which converts the tiles in place, spilled 16 bytes with the bases live (page 1, sm_90a).
+// plus its page id times the page stride in bytes (three integer instructions a pass), not the full offset in
+// elements, checked and scaled (eleven at page 1, sm_90a). A family opts in with GATHER_PAGE_BASE (sm90, where its
+// producer has the registers: its copies issue beside the consumers' softmax; fa2 keeps the code it was tuned
+// with). Not over an fp8 cache: its producer, which converts the tiles in place, spilled 16 bytes with the bases
+// live (page 1, sm_90a).
 template <typename G, typename = void>
 struct GatherPageBase : std::false_type {};
 template <typename G>
@@ -261,7 +262,8 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     thread_off = (it.kv_base + kv0 + r0) * p.kv_stride_0 + static_cast<int64_t>(it.kv_head) * p.kv_stride_1 + c0 * COL;
   }
   // gather_page_base: the thread's row in page 0 (its slot, kv head and columns), in bytes from k and from v; a
-  // pass adds its page id (>= 0: plan() checks the table; 0 on rows past kv_stop, so in bounds) times the stride
+  // pass adds its page id (>= 0 and in the cache: plan() and run() check the table; on rows past kv_stop 0 or a
+  // valid page, so in bounds) times the stride
   const char *kb = nullptr, *vb = nullptr;
   uint64_t page_bytes = 0;
   if constexpr (gather_page_base<G>()) {
@@ -270,7 +272,7 @@ __device__ __forceinline__ void gather_kv(const Item& it, int tile, uint32_t ks,
     vb = reinterpret_cast<const char*>(v + row + c0 * COL);
     page_bytes = static_cast<uint64_t>(p.kv_stride_0) * sizeof(TKV);
     // opaque to the compiler, which would otherwise fold the bytes back into elements (a multiply-add in elements
-    // and a scaled add of the base: four instructions a pass where the two below take two)
+    // and a scaled add of the base: five instructions a pass where these take three)
     asm("mov.b64 %0, %0;" : "+l"(page_bytes));
     asm("mov.b64 %0, %0;" : "+l"(kb));
     asm("mov.b64 %0, %0;" : "+l"(vb));

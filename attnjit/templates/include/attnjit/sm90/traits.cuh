@@ -15,7 +15,8 @@ namespace attnjit {
 constexpr bool kKvInterleave = true;
 
 // Whether the producer's cp.async gather addresses rows of pages smaller than a copy pass (1, 2, 4, 8 tokens) from
-// per-thread bases (attnjit/kv_load.cuh gather_page_base); the what-if page-offsets turns it off.
+// per-thread bases (attnjit/kv_load.cuh gather_page_base; GATHER_PAGE_BASE below says where); the what-if
+// page-offsets turns it off.
 constexpr bool kGatherPageBase = true;
 
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
@@ -55,9 +56,9 @@ struct Sm90Traits {
   // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
   static constexpr int LAUNCH_REGS = (65536 / (128 * (CONSUMERS + 1))) / 8 * 8;
   // Head_dim 256: producer 32, consumers 232. (At 24 the producer spilled 4-8 bytes once a work item with
-  // interleaved tiles and V by TMA; run 149, H100, sm90_timeline.py --head-dim 256 --time: 32 / 232 as fast, 8x2048
-  // 584 / 589 against 591 / 584 TFLOP/s, 1x8192 622 / 606 against 615 / 621. Over fp8 its ring counters and in-place
-  // conversion need 32 too.)
+  // interleaved tiles and V by TMA, pages 16 and 32: none now; pages of 1-8 tokens still spill, less. Run 149, H100,
+  // sm90_timeline.py --head-dim 256 --time: 32 / 232 as fast, 8x2048 584 / 589 against 591 / 584 TFLOP/s, 1x8192
+  // 622 / 606 against 615 / 621. Over fp8 its ring counters and in-place conversion need 32 too.)
   // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
   // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40.
   // Head_dim 64 with K/V tiles of 128 or fewer: O and S take 96 registers, so the consumers give 8 to the producer
@@ -100,7 +101,8 @@ struct Sm90Traits {
   static constexpr int SMEM_BYTES = PAIR_OFF + (Q_STAGES + 1) * 4 + 1024;  // + the slack that aligns the base
   // the shared loaders' geometry (attnjit/kv_load.cuh): the producer warpgroup copies
   static constexpr int LOAD_THREADS = 128;
-  static constexpr bool GATHER_PAGE_BASE = kGatherPageBase;
+  // (head_dim 64 or 128 under two consumers: the d256 and q192kv64 producers, tighter, spilled 4-20 bytes more)
+  static constexpr bool GATHER_PAGE_BASE = kGatherPageBase && HEAD_DIM_ <= 128 && CONSUMERS_ == 2;
   // K and V tiles of a paged NHD kernel whose tile is several pages of 16k tokens (pages its TMA path copies as
   // whole boxes, sm90/tma.cuh tma_kv) are "interleaved": 8-row groups of BLOCKS * 1024 bytes, each the group's
   // 64-column blocks one after another ([row / 8][block][row % 8][128 B]), so one TMA box {64, 8 rows, BLOCKS

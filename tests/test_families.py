@@ -362,6 +362,23 @@ def test_sm90_timeline_specs_are_what_its_wrappers_plan(ragged, monkeypatch):
     assert w._plan.spec == tl._spec(True, "bf16", ragged=ragged)
 
 
+def _built_with_and_without_page_offsets(tmp_path, **kw) -> dict:
+    """An sm90 prefill kernel (causal, group 4 unless ``kw`` says) compiled as rendered (key None) and as the
+    page-offsets what-if of benchmarks/sm90_timeline.py: (ptxas log, SASS, its instruction texts) of each."""
+    from benchmarks import sm90_sass as ss
+    from benchmarks import sm90_timeline as tl
+
+    base = dict(op="prefill", head_dim=128, mask="causal", group_size=4, family="sm90", arch="sm_90a")
+    spec = AttentionSpec(**{**base, **kw})
+    out = {}
+    for what_if in (None, "page-offsets"):
+        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
+        assert f"kGatherPageBase = {'false' if what_if else 'true'};" in src
+        log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
+        out[what_if] = (log, sass, [text for _, text, _ in ss.instructions(sass)])
+    return out
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("kw", [dict(page_size=1, dtype="bf16"), dict(page_size=4, dtype="fp16", layout="HND"),
                                 dict(page_size=8, dtype="bf16", mask="none")])
@@ -372,18 +389,9 @@ def test_sm90_gathers_small_pages_from_per_thread_bases(tmp_path, kw):
     the same kernel computing each row's offset in elements (benchmarks/sm90_timeline.py's what-if page-offsets,
     the code before run 150). Head_dim 256 and q192kv64 keep that code: their producers spilled more with the
     bases (the second test)."""
-    from benchmarks import sm90_timeline as tl
-
-    base = dict(op="prefill", head_dim=128, mask="causal", group_size=4, family="sm90", arch="sm_90a")
-    spec = AttentionSpec(**{**base, **kw})
-    count = {}
-    for what_if in (None, "page-offsets"):
-        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
-        assert f"kGatherPageBase = {'false' if what_if else 'true'};" in src
-        log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
-        if what_if is None:
-            assert_no_spills(log, sass, "the default small-page kernel")
-        count[what_if] = len(re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+\S", sass, re.M))
+    built = _built_with_and_without_page_offsets(tmp_path, **kw)
+    assert_no_spills(*built[None][:2], "the default small-page kernel")
+    count = {w: len(ins) for w, (_, _, ins) in built.items()}
     assert count[None] < count["page-offsets"] - 64, count
 
 
@@ -394,13 +402,5 @@ def test_sm90_small_pages_keep_the_offsets_where_the_producer_is_tight(tmp_path,
     """Head_dim 256 and the three-consumer q192kv64 compute each row's offset in elements (Sm90Traits
     GATHER_PAGE_BASE false): with the per-thread bases their producers spilled 4-20 bytes more (d256 page 1 HND 24
     against 4). Their kernels are the page-offsets what-if's, instruction for instruction."""
-    from benchmarks import sm90_timeline as tl
-
-    base = dict(op="prefill", mask="causal", group_size=4, family="sm90", arch="sm_90a")
-    spec = AttentionSpec(**{**base, **kw})
-    sass = {}
-    for what_if in (None, "page-offsets"):
-        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
-        sass[what_if] = re.findall(r"^\s+/\*[0-9a-f]{4,5}\*/\s+([^;]*);", compile_kernel(tmp_path, spec, sass=True,
-                                                                                        source=src)[1], re.M)
-    assert sass[None] and sass[None] == sass["page-offsets"]
+    built = _built_with_and_without_page_offsets(tmp_path, **kw)
+    assert built[None][2] and built[None][2] == built["page-offsets"][2]

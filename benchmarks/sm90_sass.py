@@ -46,10 +46,15 @@ def spec_for(kv: str | None = None, tile: str | None = None, head_dim: int = 128
 def sass_of(spec: AttentionSpec) -> str:
     """The spec's (first) kernel compiled here and disassembled (cuobjdump -sass): a default module also holds the
     long-batch tile (sm90.LONG_TILE), whose function is left out."""
+    return function_of(_module_sass(spec), spec)
+
+
+def function_of(module_sass: str, spec: AttentionSpec) -> str:
+    """The SASS of the spec's (first) kernel in the disassembly of its module."""
     from attnjit.families import sm90
 
     name = sm90.tiles(spec)[0].kernel
-    parts = re.split(r"^\s*Function : ", _module_sass(spec), flags=re.M)
+    parts = re.split(r"^\s*Function : ", module_sass, flags=re.M)
     return "Function : " + next(part for part in parts[1:] if part.split(None, 1)[0] == name)
 
 

@@ -76,33 +76,36 @@ _STAMP = (_MEMBER + """
     }
   }""" % (MAX_REC, WGS, MAX_REC, MAX_ITEMS, "ITEM_BASE", WGS, MAX_ITEMS))
 # the steady main loop (Consumer::mainloop) and where each stamp goes in it: after the statement, in this order
-_LOOP_HEAD = "      for (int j = 1; j < n; ++j) {\n"
-_LOOP_END = "\n      }\n"
-_AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax(j, scale2);", "done_with_v(vr);",
-          "pack_p();")
+_LOOP_HEAD = ("  __device__ __forceinline__ void step(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, int j, "
+              "float scale2) {\n")
+_LOOP_END = "\n  }\n"
+_AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax<NN>(j, scale2);", "done_with_v(vr);",
+          "pack_p<NN>();")
 
 
-# where the per-item stamps go in Consumer::run: after each statement (I0, I3) or before it (I1, I2)
-_ITEM_AFTER0 = "      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\n"
-_ITEM_MAIN = "      mainloop(kr, vr, scale2);\n"
-_ITEM_EPI = "      epilogue();\n"
+# where the per-item stamps go in the unchained walk (sm90/walk.cuh walk_items): after each statement (I0, I3) or
+# before it (I1, I2). A chained walk (Sm90Traits::CHAIN, walk_chained; the what-if chain) has no item boundary to
+# cut: its items leave no complete record (I3 is never stamped).
+_ITEM_AFTER0 = "    it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\n"
+_ITEM_MAIN = "    c.mainloop(kr, vr, scale2);\n"
+_ITEM_EPI = "    c.write_item(c.it, c.qstage);\n"
 
 
 _EPI_SYNC = "      named_sync(Tr::BAR_EPILOGUE + wg, 128);\n      if (by_tma) {\n"
-_ITEM_TOP = "    consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed\n"
+_ITEM_TOP = "  consumer_pairs<Tr>(c.sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed\n"
 
 
 def _stamp_items(src: str, item_base: int) -> str:
-    """Consumer::run with tli(0..3) around the item's phases, tli(5), tli(6) around the epilogue's barrier and tli(7)
+    """walk_items with tli(0..3) around the item's phases, tli(5), tli(6) around the epilogue's barrier and tli(7)
     at the top of an item's iteration (item records after the loop records)."""
     if any(src.count(x) != 1 for x in (_ITEM_AFTER0, _ITEM_MAIN, _ITEM_EPI, _EPI_SYNC, _ITEM_TOP)):
         raise SystemExit("sm90_timeline.py: the consumer's item loop or epilogue changed; update _ITEM_AFTER0, "
                          "_ITEM_MAIN, _ITEM_EPI, _EPI_SYNC and _ITEM_TOP")
     src = src.replace(_EPI_SYNC, "      tli(5);\n" + _EPI_SYNC.replace("128);\n", "128);\n      tli(6);\n", 1))
-    src = src.replace(_ITEM_TOP, _ITEM_TOP + "      tli(7);\n")
+    src = src.replace(_ITEM_TOP, _ITEM_TOP + "    c.tli(7);\n")
     src = src.replace(_ITEM_AFTER0, _ITEM_AFTER0 + "      tli(0);\n")
-    src = src.replace(_ITEM_MAIN, "      tli(1);\n" + _ITEM_MAIN + "      tli(2);\n")
-    src = src.replace(_ITEM_EPI, _ITEM_EPI + "      tli(3);\n      ++tl_item;\n")
+    src = src.replace(_ITEM_MAIN, "    c.tli(1);\n" + _ITEM_MAIN + "    c.tli(2);\n")
+    src = src.replace(_ITEM_EPI, _ITEM_EPI + "    c.tli(3);\n    ++c.tl_item;\n")
     return src.replace("ITEM_BASE", str(item_base))
 
 
@@ -125,7 +128,7 @@ def _stamp_loop(src: str) -> str:
 #   no-store: an unsplit item's 16-byte global stores of O predicated off by a condition the compiler cannot fold
 #   (the staging, the barrier and every other instruction stay; the output is left unwritten). With the TMA store
 #   (a warpgroup's rows whole inside the request) only the other rows' stores: combine with no-tma-store
-_STORE = "      if (pr < it.rows_total)\n        *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) ="
+_STORE = "      if (pr < w.rows_total)\n        *reinterpret_cast<uint4*>(w.out_ptr(pr, c)) ="
 #   st-cs: the same stores as streaming ones (st.global.cs: evict-first in L2), so the output does not push the K/V
 #   tiles other items still read out of L2
 _STORE_ALL = _STORE + ("\n            *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>"
@@ -151,25 +154,25 @@ def _poly(eighths: int) -> tuple:
             (_CONSUMER, _POLY_EXP2 + "\n" + _CONSUMER))
 
 
-WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
-                                                "(pr < it.rows_total && it.p.sm_scale_log2 < -1e30)")),
+WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < w.rows_total)",
+                                                "(pr < w.rows_total && w.p.sm_scale_log2 < -1e30)")),
             # no-mask: the causal mask of the diagonal tiles skipped (their hidden keys count: wrong results)
             "no-mask": ("    if (it.tile_needs_mask(kv0)) {",
                         "    if (it.tile_needs_mask(kv0) && it.p.sm_scale_log2 < -1e30) {"),
             # no-rescale: O never multiplied by alpha (wrong results wherever a row max moves)
             "no-rescale": ("      if (!rescale) return;", "      if (!rescale || it.p.sm_scale_log2 > -1e30) return;"),
             # no-epilogue: an unsplit item's whole epilogue skipped (normalize, stage, barrier, stores, lse; no output)
-            "no-epilogue": ("    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);",
-                            "    if (it.pslot < 0 && it.p.sm_scale_log2 > -1e30) return;\n"
-                            "    if (it.pslot < 0) {\n      uint8_t* stage = sm.q(qstage);"),
+            "no-epilogue": ("    if (w.pslot < 0) {\n      uint8_t* stage = sm.q(qs);",
+                            "    if (w.pslot < 0 && w.p.sm_scale_log2 > -1e30) return;\n"
+                            "    if (w.pslot < 0) {\n      uint8_t* stage = sm.q(qs);"),
             # no-narrow: a narrow last tile (Consumer::narrow_last) runs at full width, as before it existed (the
             # same code; the branch is never taken): the A/B of the narrow tile
-            "no-narrow": ("    const bool narrow = narrow_last();\n",
-                          "    const bool narrow = narrow_last() && it.p.sm_scale_log2 < -1e30;\n"),
+            "no-narrow": ("      return __shfl_sync(0xffffffffu, narrow, 0);",
+                          "      return __shfl_sync(0xffffffffu, narrow && it.p.sm_scale_log2 < -1e30, 0);"),
             # no-tma-store: every warpgroup's output rows by the 16-byte stores, as before the TMA store (the same
             # code; the TMA branch is never taken): the A/B of the TMA store
-            "no-tma-store": ("        by_tma = (it.p.tma_flags & kTmaO) && ",
-                             "        by_tma = it.p.sm_scale_log2 < -1e30 && (it.p.tma_flags & kTmaO) && "),
+            "no-tma-store": ("        by_tma = (w.p.tma_flags & kTmaO) && ",
+                             "        by_tma = w.p.sm_scale_log2 < -1e30 && (w.p.tma_flags & kTmaO) && "),
             # no-page-ids: a TMA tile's page ids computed, not read from the page table (request r's page i is
             # kv_base + i: right for --layout paged-seq only, whose table is in order): the cost of the page-id loads
             "no-page-ids": ("? __ldg(indices + page_of<Tr::PAGE_SIZE>(j)) : 0;",
@@ -205,10 +208,14 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < it.rows_total)",
             # page-offsets: the cp.async gather of pages smaller than a copy pass (page 1: --page-size 1) computing
             # each row's offset in elements, checked and scaled, as before run 150 (kv_load.cuh gather_page_base)
             "page-offsets": ("constexpr bool kGatherPageBase = true;", "constexpr bool kGatherPageBase = false;"),
+            # chain: the chained walk (Sm90Traits::CHAIN, sm90/walk.cuh walk_chained): an item's last P V
+            # issued in one turn with the next item's S(0), its epilogue before the next item's first softmax (per-item
+            # stamps then leave no record: time it with --no-stamps)
+            "chain": ("constexpr bool kChainItems = false;", "constexpr bool kChainItems = true;"),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
-            "st-cs": (_STORE_ALL, "      if (pr < it.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
-                      "it.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
+            "st-cs": (_STORE_ALL, "      if (pr < w.rows_total)\n        __stcs(reinterpret_cast<uint4*>("
+                      "w.out_ptr(pr, c)),\n            *reinterpret_cast<const uint4*>(stage + "
                       "tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c)));")}
 
 

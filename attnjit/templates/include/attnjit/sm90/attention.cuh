@@ -24,6 +24,7 @@
 #include "attnjit/sm90/producer.cuh"
 #include "attnjit/sm90/tma.cuh"
 #include "attnjit/sm90/traits.cuh"
+#include "attnjit/sm90/walk.cuh"
 #include "attnjit/sm90/wgmma.cuh"
 #include "attnjit/split.cuh"
 #include "attnjit/variant.cuh"
@@ -36,6 +37,8 @@ namespace sm90 {
 
 template <typename Tr, typename P>
 struct Consumer {
+  using Traits = Tr;
+  using Params = P;
   using T = typename Tr::TM;  // the wgmma's type (fp16 over an fp8 cache)
   using TO = typename Tr::TO;
   using V = typename Tr::Variant;
@@ -302,27 +305,51 @@ struct Consumer {
     }
   }
 
+  // Tile j (>= 1) of the item: S(j) and P(j-1) V(j-1) issued in one turn, the softmax of S(j) over its first NN
+  // columns under P(j-1) V(j-1), then P(j) packed; P(j) V(j) is left to the next step (tile j-1 is never narrow).
+  template <int NN = N>
+  __device__ __forceinline__ void step(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, int j, float scale2) {
+    qk_turn(kr, j);
+    rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
+    wait_full(sm.v_full(vr.stage), vr.phase);
+    pv_issue(vr);
+    pass_turn();
+    if constexpr (Tr::CHAIN) release_stored();  // the last item's output rows, read by now (a no-op but at j = 1)
+    wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
+    done_with_k(kr);
+    softmax<NN>(j, scale2);
+    wgmma_wait<0>();
+    done_with_v(vr);
+    pack_p<NN>();
+  }
+
+  // The item's tiles from `from` (1, or 0 where S(0) is not yet done) on: each full tile's S(j) issued with
+  // P(j-1) V(j-1), its softmax under it; a narrow last tile (narrow) as in mainloop, alone in its turn at
+  // Tr::NARROW columns. Returns with the last tile's P packed and its P V not issued (walk_chained issues it alone,
+  // or with the next item's S(0)).
+  __device__ __forceinline__ void tiles_from(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, int from,
+                                             bool narrow, float scale2) {
+    const int nf = it.num_tiles - (narrow ? 1 : 0);  // the full-width tiles
+    if (from == 0 && nf > 0) s_alone(kr, 0, scale2);
+    for (int j = 1; j < nf; ++j) step(kr, vr, j, scale2);
+    if constexpr (Tr::NARROW > 0) {
+      if (narrow && nf >= from) {  // (a chained item's narrow S(0) is done)
+        if (nf > 0) pv_alone(vr);
+        s_alone<Tr::NARROW>(kr, nf, scale2);
+      }
+    }
+  }
+
   // The item's kv tiles: S(j) and P(j-1) V(j-1) issued together; the softmax of S(j) runs under P(j-1) V(j-1). A
-  // narrow last tile (narrow_last) runs after the others, alone in its turns at Tr::NARROW columns.
+  // narrow last tile (narrow_last) runs after the others, alone in its turns at Tr::NARROW columns. (The walk
+  // without chaining; walk_chained has its own, tiles_from.)
   __device__ __forceinline__ void mainloop(Ring<Tr::NUM_STAGES>& kr, Ring<Tr::NUM_STAGES>& vr, float scale2) {
     if constexpr (!Tr::OVERLAP) return mainloop_serial(kr, vr, scale2);
     const bool narrow = narrow_last();
     const int n = it.num_tiles - (narrow ? 1 : 0);  // the full-width tiles
     if (n > 0) {
       s_alone(kr, 0, scale2);
-      for (int j = 1; j < n; ++j) {
-        qk_turn(kr, j);
-        rescale_o();  // by tile j-1's alpha, before P(j-1) V(j-1) adds to O
-        wait_full(sm.v_full(vr.stage), vr.phase);
-        pv_issue(vr);
-        pass_turn();
-        wgmma_wait<1>();  // S(j) is ready; P(j-1) V(j-1) may still run
-        done_with_k(kr);
-        softmax(j, scale2);
-        wgmma_wait<0>();
-        done_with_v(vr);
-        pack_p();
-      }
+      for (int j = 1; j < n; ++j) step(kr, vr, j, scale2);
       pv_alone(vr);
     }
     if constexpr (Tr::NARROW > 0) {
@@ -335,7 +362,7 @@ struct Consumer {
 
   // This warpgroup's rows of the output, staged in its rows of the Q tile, by 16-byte stores (rows past the
   // request's end are not written).
-  __device__ __forceinline__ void store_staged(const uint8_t* stage) {
+  __device__ __forceinline__ void store_staged(const WorkItem<Tr, P>& w, const uint8_t* stage) {
     constexpr int CHUNKS = D / 8;
     constexpr int ROWS_PER_STEP = 128 / CHUNKS;
     const int wtid = static_cast<int>(ctid % 128);
@@ -343,17 +370,18 @@ struct Consumer {
 #pragma unroll
     for (int k = 0; k < Tr::WG_ROWS / ROWS_PER_STEP; ++k) {
       const int row = wg * Tr::WG_ROWS + k * ROWS_PER_STEP + wtid / CHUNKS;
-      const int pr = it.packed_row0 + row;
-      if (pr < it.rows_total)
-        *reinterpret_cast<uint4*>(it.out_ptr(pr, c)) =
+      const int pr = w.packed_row0 + row;
+      if (pr < w.rows_total)
+        *reinterpret_cast<uint4*>(w.out_ptr(pr, c)) =
             *reinterpret_cast<const uint4*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, c));
     }
   }
 
-  // Normalize and write the item's rows: the output through this warpgroup's (now free) rows of the Q tile, then
-  // one TMA store of them (sm90/tma.cuh: the run's output descriptor, and all 64 rows inside the request) or
-  // 16-byte stores; or a split item's fp32 partial state straight to the workspace.
-  __device__ __forceinline__ void epilogue() {
+  // Normalize and write item w's rows (its Q tile in stage qs; m and l hold its rows' softmax): the output through
+  // this warpgroup's (now free) rows of the Q tile, then one TMA store of them (sm90/tma.cuh: the run's output
+  // descriptor, and all 64 rows inside the request) or 16-byte stores; or a split item's fp32 partial state
+  // straight to the workspace.
+  __device__ __forceinline__ void epilogue(const WorkItem<Tr, P>& w, int qs) {
     float inv[2], lse[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -369,117 +397,146 @@ struct Consumer {
       }
       if constexpr (Tr::FP8_KV) inv[r] *= v_scale;  // o = v_scale * sum_j p_j v_j; lse is unaffected
     }
-    if (it.pslot < 0) {
-      uint8_t* stage = sm.q(qstage);
+    if (w.pslot < 0) {
+      uint8_t* stage = sm.q(qs);
       bool by_tma = false;  // warp-uniform (the item's fields)
       if constexpr (tma_o<Tr>())
-        by_tma = (it.p.tma_flags & kTmaO) && it.packed_row0 + (wg + 1) * Tr::WG_ROWS <= it.rows_total;
+        by_tma = (w.p.tma_flags & kTmaO) && w.packed_row0 + (wg + 1) * Tr::WG_ROWS <= w.rows_total;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = row0 + 8 * r;
-        const int pr = it.packed_row0 + row;
+        const int pr = w.packed_row0 + row;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j) {
           float x0 = o[4 * j + 2 * r] * inv[r], x1 = o[4 * j + 2 * r + 1] * inv[r];
           if constexpr (V::HAS_OUTPUT_TRANSFORM) {
             const int col = 8 * j + 2 * (lane % 4);
-            if (pr < it.rows_total) {
-              x0 = it.var.output_transform(x0, col, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req, it.qo_head_of(pr),
-                                           it.kv_head);
-              x1 = it.var.output_transform(x1, col + 1, it.q_pos_of(pr), it.qo_len, it.kv_len, it.req,
-                                           it.qo_head_of(pr), it.kv_head);
+            if (pr < w.rows_total) {
+              x0 = w.var.output_transform(x0, col, w.q_pos_of(pr), w.qo_len, w.kv_len, w.req, w.qo_head_of(pr),
+                                           w.kv_head);
+              x1 = w.var.output_transform(x1, col + 1, w.q_pos_of(pr), w.qo_len, w.kv_len, w.req,
+                                           w.qo_head_of(pr), w.kv_head);
             }
           }
           *reinterpret_cast<uint32_t*>(stage + tile_offset<Tr::Q_PITCH, Tr::Q_STEP>(row, j) + 4 * (lane % 4)) =
               pack2<TO>(x0, x1);
         }
-        if (lane % 4 == 0 && pr < it.rows_total) it.write_lse(pr, lse[r]);
+        if (lane % 4 == 0 && pr < w.rows_total) w.write_lse(pr, lse[r]);
       }
       if (by_tma) fence_proxy_async();  // the staging writes, visible to the TMA unit (async proxy)
       named_sync(Tr::BAR_EPILOGUE + wg, 128);
       if (by_tma) {
         if (ctid % 128 == 0) {
-          tma_o_rows<Tr>(it, &it.p.tma_o, smem_u32(stage) + wg * Tr::WG_ROWS * 128, wg * Tr::WG_ROWS);
-          o_pending = qstage;
+          tma_o_rows<Tr>(w, &w.p.tma_o, smem_u32(stage) + wg * Tr::WG_ROWS * 128, wg * Tr::WG_ROWS);
+          o_pending = qs;
         }
       } else {
-        store_staged(stage);
+        store_staged(w, stage);
       }
     } else {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int pr = it.packed_row0 + row0 + 8 * r;
-        if (pr >= it.rows_total) continue;
+        const int pr = w.packed_row0 + row0 + 8 * r;
+        if (pr >= w.rows_total) continue;
 #pragma unroll
         for (int j = 0; j < D / 8; ++j)
-          it.write_partial2(pr, 8 * j + 2 * (lane % 4), o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r],
+          w.write_partial2(pr, 8 * j + 2 * (lane % 4), o[4 * j + 2 * r] * inv[r], o[4 * j + 2 * r + 1] * inv[r],
                             lse[r], j == 0 && lane % 4 == 0);
       }
     }
   }
 
-  __device__ __forceinline__ void run(const P& p) {
-    Ring<Tr::NUM_STAGES> kr, vr;
-    const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
+  // The current item's softmax log2 scale (sm_scale2, times an fp8 cache's k scale of its kv head); an fp8 cache's
+  // value scale of that head into v_scale (per-KV-head scales: float32 [H_kv], or 0; the scalar k_scale is in
+  // sm_scale2).
+  __device__ __forceinline__ float item_scales(const P& p, float sm_scale2, int head) {
+    float scale2 = sm_scale2;
+    if constexpr (Tr::FP8_KV) {
+      if (p.scale_k) scale2 *= reinterpret_cast<const float*>(p.scale_k)[head];
+      v_scale = static_cast<float>(p.scale_v_value);
+      if (p.scale_v) v_scale *= reinterpret_cast<const float*>(p.scale_v)[head];
+    }
+    return scale2;
+  }
+
+  // Pair i (item i / heads, kv head i % heads) as the current item, its Q landed in Q stage `stage`: its record
+  // read, the variant's query transform and (SCALES) an fp8 cache's scales applied. Returns its softmax's log2 scale
+  // (the run's, sm_scale2, times an fp8 cache's k scale; without SCALES, item_scales gives it).
+  template <bool SCALES = true>
+  __device__ __forceinline__ float begin_item(const P& p, int i, int stage, float sm_scale2) {
     const int heads = static_cast<int>(p.num_kv_heads);
+    const int head = i % heads;
+    it.kv_head = head;
+    it.setup(i / heads);
+    // what steers the loops, broadcast from lane 0 (the values are the same in every lane): the compiler then
+    // knows the ring positions are warp-uniform and keeps the wgmma descriptors in uniform registers
+    it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);
+    qstage = stage;
+    fence_proxy_async();
+    if constexpr (V::HAS_QUERY_TRANSFORM) {
+      transform_q_tile<Tr>(it, sm.q(qstage), ctid, Tr::CONSUMER_THREADS);
+      fence_proxy_async();
+      named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
+    }
+    const float scale2 = SCALES ? item_scales(p, sm_scale2, head) : sm_scale2;
+    if constexpr (Tr::Q_TO_HALF) {  // this warpgroup's 64 Q rows (all its wgmma reads) into fp16, each times 2^e
+      q_rows_to_half_rows<Tr, Tr::WG_ROWS, 128, 2>(sm.q(qstage), sm.qinv(), wg * Tr::WG_ROWS, ctid % 128);
+      fence_proxy_async();
+      named_sync(Tr::BAR_EPILOGUE + wg, 128);
+      qinv[0] = sm.qinv()[row0];
+      qinv[1] = sm.qinv()[row0 + 8];
+    }
+    return scale2;
+  }
+
+  __device__ __forceinline__ void zero_o() {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+  }
+
+  // The current item's online softmax started: no key yet, or its rows' sinks.
+  __device__ __forceinline__ void reset_softmax() {
+    m[0] = m[1] = neg_inf();
+    l[0] = l[1] = 0.f;
+    alpha[0] = alpha[1] = 1.f;
+    if constexpr (V::HAS_SINK) {  // the online softmax starts from the sink (work.cuh): m = sink2, d = 1
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const float s2 = it.sink_log2(it.packed_row0 + row0 + 8 * r);
+        if (s2 != neg_inf()) {
+          m[r] = s2;
+          // l holds each thread's share of the row sum (the quad adds them); a NaN sink makes the sum NaN, so
+          // the row's o is NaN (row_rcp) even with no visible key
+          l[r] = lane % 4 == 0 ? (s2 == s2 ? 1.f : s2) : 0.f;
+        }
+      }
+    }
+  }
+
+  // After item w's epilogue (its Q tile in stage qs): every consumer thread's Q and staging reads are done (a TMA
+  // store's thread: once the unit read its rows, now where the next item needs this Q stage, else later:
+  // release_stored); a split group's last item merges it.
+  __device__ __forceinline__ void end_item(const WorkItem<Tr, P>& w, int qs) {
+    if (Tr::Q_STAGES == 1 && o_pending >= 0) release_stored();
+    else if (o_pending < 0) mbar_arrive(sm.q_empty(qs));
+    if (w.nchunks > 1 && last_of_group(w, ctid, [] { named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS); }))
+      merge_group<Tr::CONSUMER_THREADS, Tr::CTA_Q>(w, ctid);
+  }
+
+  __device__ __forceinline__ void run(const P& p) {
+    const float sm_scale2 = static_cast<float>(p.sm_scale_log2);
     if (wg == Tr::CONSUMERS - 1) pass_turn();  // the first consumer takes the first turn
     if constexpr (tma_o<Tr>())
       if (ctid % 128 == 0 && (p.tma_flags & kTmaO)) tma_prefetch(&p.tma_o);
-    consumer_pairs<Tr>(sm, [&](int i, int stage) {  // a pair the producer took (its setup holds), its Q landed
-      release_stored();
-      const int head = i % heads;
-      it.kv_head = head;
-      it.setup(i / heads);
-      // what steers the loops, broadcast from lane 0 (the values are the same in every lane): the compiler then
-      // knows the ring positions are warp-uniform and keeps the wgmma descriptors in uniform registers
-      it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);
-      qstage = stage;
-      fence_proxy_async();
-      if constexpr (V::HAS_QUERY_TRANSFORM) {
-        transform_q_tile<Tr>(it, sm.q(qstage), ctid, Tr::CONSUMER_THREADS);
-        fence_proxy_async();
-        named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS);
-      }
-      float scale2 = sm_scale2;
-      if constexpr (Tr::FP8_KV) {  // per-KV-head scales (float32 [H_kv], or 0); the scalar k_scale is in sm_scale2
-        if (p.scale_k) scale2 *= reinterpret_cast<const float*>(p.scale_k)[head];
-        v_scale = static_cast<float>(p.scale_v_value);
-        if (p.scale_v) v_scale *= reinterpret_cast<const float*>(p.scale_v)[head];
-      }
-      if constexpr (Tr::Q_TO_HALF) {  // this warpgroup's 64 Q rows (all its wgmma reads) into fp16, each times 2^e
-        q_rows_to_half_rows<Tr, Tr::WG_ROWS, 128, 2>(sm.q(qstage), sm.qinv(), wg * Tr::WG_ROWS, ctid % 128);
-        fence_proxy_async();
-        named_sync(Tr::BAR_EPILOGUE + wg, 128);
-        qinv[0] = sm.qinv()[row0];
-        qinv[1] = sm.qinv()[row0 + 8];
-      }
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-      m[0] = m[1] = neg_inf();
-      l[0] = l[1] = 0.f;
-      alpha[0] = alpha[1] = 1.f;
-      if constexpr (V::HAS_SINK) {  // the online softmax starts from the sink (work.cuh): m = sink2, d = 1
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const float s2 = it.sink_log2(it.packed_row0 + row0 + 8 * r);
-          if (s2 != neg_inf()) {
-            m[r] = s2;
-            // l holds each thread's share of the row sum (the quad adds them); a NaN sink makes the sum NaN, so
-            // the row's o is NaN (row_rcp) even with no visible key
-            l[r] = lane % 4 == 0 ? (s2 == s2 ? 1.f : s2) : 0.f;
-          }
-        }
-      }
-      mainloop(kr, vr, scale2);
-      epilogue();
-      // every consumer thread: its Q reads and staging reads are done (a TMA store's thread: once the unit read
-      // its rows, now where the next item needs this Q stage, else at the next item: release_stored)
-      if (Tr::Q_STAGES == 1 && o_pending >= 0) release_stored();
-      else if (o_pending < 0) mbar_arrive(sm.q_empty(qstage));
-      if (it.nchunks > 1 && last_of_group(it, ctid, [] { named_sync(Tr::BAR_CONSUMERS, Tr::CONSUMER_THREADS); }))
-        merge_group<Tr::CONSUMER_THREADS, Tr::CTA_Q>(it, ctid);
-    });
+    if constexpr (Tr::CHAIN) walk_chained(*this, p, sm_scale2);
+    else walk_items(*this, p, sm_scale2);
     release_stored();  // (the shared memory must outlive the TMA unit's reads of it)
+  }
+
+  // Item w's rows written (an fp8 cache's: by the value scale item_scales last read, w's) and its Q stage handed back.
+  __device__ __forceinline__ void write_item(const WorkItem<Tr, P>& w, int qs) {
+    epilogue(w, qs);
+    end_item(w, qs);
   }
 
   // The Q stage of this thread's last TMA store handed back to the producer, once the unit has read its rows.

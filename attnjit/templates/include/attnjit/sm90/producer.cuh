@@ -106,14 +106,20 @@ __device__ __forceinline__ void publish_end(const Smem<Tr>& sm, const Ring<Tr::Q
   mbar_arrive(sm.q_full(qr.stage));
 }
 
-// The consumers' side: the pairs the producer published, each with its Q stage, until the end.
+// The consumers' side: the pair the producer published in Q stage qr (-1: the end), once its Q has landed.
+template <typename Tr>
+__device__ __forceinline__ int next_pair(const Smem<Tr>& sm, const Ring<Tr::Q_STAGES>& qr) {
+  mbar_wait(sm.q_full(qr.stage), qr.phase);
+  // from lane 0 (the value is every lane's): the compiler then knows it is warp-uniform
+  return __shfl_sync(0xffffffffu, *static_cast<volatile int*>(sm.pair(qr.stage)), 0);
+}
+
+// The pairs the producer published, each with its Q stage, until the end.
 template <typename Tr, typename F>
 __device__ __forceinline__ void consumer_pairs(const Smem<Tr>& sm, F&& f) {
   Ring<Tr::Q_STAGES> qr;
   for (;;) {
-    mbar_wait(sm.q_full(qr.stage), qr.phase);
-    // from lane 0 (the value is every lane's): the compiler then knows it is warp-uniform
-    const int i = __shfl_sync(0xffffffffu, *static_cast<volatile int*>(sm.pair(qr.stage)), 0);
+    const int i = next_pair<Tr>(sm, qr);
     if (i < 0) return;
     f(i, qr.stage);
     qr.advance();

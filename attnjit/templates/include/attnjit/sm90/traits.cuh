@@ -19,6 +19,11 @@ constexpr bool kKvInterleave = true;
 // page-offsets turns it off.
 constexpr bool kGatherPageBase = true;
 
+// Whether consecutive work items are chained in the consumers (Sm90Traits::CHAIN, sm90/walk.cuh walk_chained):
+// an item's last P V issued with the next item's first S = Q K^T. Off until it has run on a GPU (built and checked
+// on a CPU only, RESULTS.md's thirty-sixth section); the what-if chain turns it on.
+constexpr bool kChainItems = false;
+
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>
 struct Sm90Traits {
@@ -51,6 +56,22 @@ struct Sm90Traits {
   static constexpr int TAU = TAU_;
   static constexpr int NUM_THREADS = 128 * (CONSUMERS + 1);
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
+  static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
+  // Consecutive items chained (kChainItems, sm90/walk.cuh walk_chained). The next pair is waited for before an
+  // item's epilogue, so its Q needs a stage of its own. Not where the consumers prepare the Q tile together first
+  // (an fp8 cache under a bf16 q, a query transform: their barriers), nor in the tile configurations of wide K/V
+  // tiles or three consumers (kv160 and q192kv64 spilled in the main loop). A softmax with a hook (a logits
+  // transform: soft-cap, ALiBi, a user's bias; or a sink) holds more registers at the boundary (40-60 bytes
+  // spilled at 224): chained, its consumers take 232 and the producer 40, which is enough where the producer's
+  // K/V go by TMA (16-bit pages of 16k tokens, ragged); its cp.async gather of smaller pages needs 56, so there
+  // such kernels are not chained.
+  static constexpr bool HOOKED_SOFTMAX =
+      VARIANT_::HAS_SINK || (VARIANT_::HAS_LOGITS_TRANSFORM && VARIANT_::USE_SOFTMAX);
+  static constexpr bool TMA_PRODUCER = !FP8_KV && (!PAGED || PAGE_SIZE_ % 16 == 0);
+  static constexpr bool CHAIN = kChainItems && OVERLAP && CONSUMERS_ == 2 && CTA_KV_ <= 128 && Q_STAGES_ >= 2 &&
+                                !Q_TO_HALF && !VARIANT_::HAS_QUERY_TRANSFORM && (!HOOKED_SOFTMAX || TMA_PRODUCER);
+  static constexpr bool WIDE_CONSUMERS = CHAIN && HOOKED_SOFTMAX;
   // setmaxnreg budgets. The CTA starts with LAUNCH_REGS per thread (64K / threads, rounded down to a multiple of 8:
   // ptxas's allocation under __launch_bounds__(threads, 1)); a consumer's setmaxnreg.inc waits until the producer's
   // .dec has returned enough of them, so the two budgets must fit in what the CTA was given, or it waits forever.
@@ -60,17 +81,16 @@ struct Sm90Traits {
   // sm90_timeline.py --head-dim 256 --time: 32 / 232 as fast, 8x2048 584 / 589 against 591 / 584 TFLOP/s, 1x8192
   // 622 / 606 against 615 / 621. Over fp8 its ring counters and in-place conversion need 32 too.)
   // Three consumers (64K registers over 512 threads, 128 each at launch): producer 32, consumers 160.
-  // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40.
+  // K/V tiles wider than 128: S and P take 3N/4 registers, so the consumers take 232 and the producer 40; so do
+  // chained kernels with a hooked softmax (WIDE_CONSUMERS, above).
   // Head_dim 64 with K/V tiles of 128 or fewer: O and S take 96 registers, so the consumers give 8 to the producer
   // (its loop-invariant copy addresses and page ids; the work order's claim, sm90/producer.cuh, tipped page 1 over).
   static constexpr bool SMALL_D = HEAD_DIM_ <= 64 && CTA_KV_ <= 128;
   static constexpr int PRODUCER_REGS =
-      CONSUMERS_ == 3 || HEAD_DIM_ > 128 ? 32 : CTA_KV_ > 128 ? 40 : SMALL_D ? 64 : 56;
+      CONSUMERS_ == 3 || HEAD_DIM_ > 128 ? 32 : CTA_KV_ > 128 || WIDE_CONSUMERS ? 40 : SMALL_D ? 64 : 56;
   static constexpr int CONSUMER_REGS =
-      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 || CTA_KV_ > 128 ? 232 : SMALL_D ? 216 : 224;
+      CONSUMERS_ == 3 ? 160 : HEAD_DIM_ > 128 || CTA_KV_ > 128 || WIDE_CONSUMERS ? 232 : SMALL_D ? 216 : 224;
   static constexpr int TURN_THREADS = 256;  // a turn's named barrier: the taker's 128 threads + the passer's 128
-  // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
-  static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
   // An item's last K/V tile whose visible keys all lie in its first NARROW columns (the causal diagonal's of a
   // short q tile, or a request's short tail) runs its softmax and P V over those columns only: the columns past
   // them are hidden for every row of the item. (S keeps its full width: a second wgmma shape for it costs ptxas

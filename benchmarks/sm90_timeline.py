@@ -84,8 +84,8 @@ _AFTER = ("qk_turn(kr, j);", "pv_issue(vr);", "done_with_k(kr);", "softmax<NN>(j
 
 
 # where the per-item stamps go in the unchained walk (sm90/walk.cuh walk_items): after each statement (I0, I3) or
-# before it (I1, I2). A chained walk (Sm90Traits::CHAIN, walk_chained; the what-if chain) has no item boundary to
-# cut: its items leave no complete record (I3 is never stamped).
+# before it (I1, I2). A chained walk (Sm90Traits::CHAIN, walk_chained: --tile kv128c) has no item boundary to
+# cut: its items leave no complete record (I3 is never stamped), so time it with --no-stamps.
 _ITEM_AFTER0 = "    it.num_tiles = __shfl_sync(0xffffffffu, it.num_tiles, 0);\n"
 _ITEM_MAIN = "    c.mainloop(kr, vr, scale2);\n"
 _ITEM_EPI = "    c.write_item(c.it, c.qstage);\n"
@@ -208,10 +208,6 @@ WHAT_IFS = {"no-store": (_STORE, _STORE.replace("(pr < w.rows_total)",
             # page-offsets: the cp.async gather of pages smaller than a copy pass (page 1: --page-size 1) computing
             # each row's offset in elements, checked and scaled, as before run 150 (kv_load.cuh gather_page_base)
             "page-offsets": ("constexpr bool kGatherPageBase = true;", "constexpr bool kGatherPageBase = false;"),
-            # chain: the chained walk (Sm90Traits::CHAIN, sm90/walk.cuh walk_chained): an item's last P V
-            # issued in one turn with the next item's S(0), its epilogue before the next item's first softmax (per-item
-            # stamps then leave no record: time it with --no-stamps)
-            "chain": ("constexpr bool kChainItems = false;", "constexpr bool kChainItems = true;"),
             "poly-exp2-1": _poly(1),
             "poly-exp2-2": _poly(2),
             "st-cs": (_STORE_ALL, "      if (pr < w.rows_total)\n        __stcs(reinterpret_cast<uint4*>("

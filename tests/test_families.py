@@ -160,16 +160,15 @@ def test_sm90_kv128_runs_a_narrow_last_tile():
 
 @pytest.mark.nvcc
 def test_sm90_chained_walk_compiles_where_the_registers_allow(tmp_path):
-    """The chained walk (Sm90Traits::CHAIN, off until it runs on a GPU: benchmarks/sm90_timeline.py's what-if chain
-    turns it on). The default kernel chained: no spills, consumers at 224 registers and the producer at 56, and
-    HGMMA 64x128x16 over the head dim (8 a GEMM) or a narrow tile's 64 keys (4): the first S (8), the loop's S and
-    P V (16), a narrow tile's full P V before it and its own S (16), the chained boundary's next S and the done
-    item's last P V, narrow or full (8 + 4 + 8), and an unchained end's last P V, narrow or full (4 + 8): 72.
-    Soft-cap's (a logits transform in the softmax: chained at 224 it spilled 40 bytes) takes 232 and 40
-    (WIDE_CONSUMERS), with no spills. RoPE's (a query transform: the consumers' barrier before an item's first S)
-    stays unchained, instruction for instruction its kernel without the what-if (44 HGMMA)."""
+    """The tile configuration kv128c: kv128 with consecutive items chained (Sm90Traits::CHAIN, sm90/walk.cuh). Its
+    default kernel: no spills, consumers at 224 registers and the producer at 56, and HGMMA 64x128x16 over the head
+    dim (8 a GEMM) or a narrow tile's 64 keys (4): the first S (8), the loop's S and P V (16), a narrow tile's full
+    P V before it and its own S (16), the chained boundary's next S and the done item's last P V, narrow or full
+    (8 + 4 + 8), and an unchained end's last P V, narrow or full (4 + 8): 72. Soft-cap's (a logits transform in the
+    softmax: chained at 224 it spilled 40 bytes) takes 232 and 40 (WIDE_CONSUMERS), with no spills. RoPE's (a query
+    transform: the consumers' barrier before an item's first S) is not chained: instruction for instruction kv128's
+    kernel, with its 44 HGMMA."""
     from benchmarks import sm90_sass as ss
-    from benchmarks import sm90_timeline as tl
 
     def hgmma(texts):
         return Counter(re.findall(r"HGMMA\.(\d+x\d+x\d+)", "\n".join(texts)))["64x128x16"]
@@ -179,16 +178,15 @@ def test_sm90_chained_walk_compiles_where_the_registers_allow(tmp_path):
         return regs["TRY_ALLOC"], regs["DEALLOC"]
 
     built = {}
-    for variant, what_if in ((None, "chain"), (V.SOFTCAP, "chain"), (V.ROPE_LLAMA, None), (V.ROPE_LLAMA, "chain")):
-        spec = ss.spec_for().replace(variant=variant)
-        src = tl._stamped(render, stamps=False, what_if=what_if)(spec).source
-        assert f"kChainItems = {'true' if what_if else 'false'};" in src
-        log, sass = compile_kernel(tmp_path, spec, sass=True, source=src)
-        assert_no_spills(log, sass, f"the sm90 kernel of {variant and variant.name}")
-        built[variant and variant.name, what_if] = [text for _, text, _ in ss.instructions(ss.function_of(sass, spec))]
-    assert (hgmma(built[None, "chain"]), setmaxnreg(built[None, "chain"])) == (8 + 16 + 16 + 20 + 12, (224, 56))
-    assert (hgmma(built["softcap", "chain"]), setmaxnreg(built["softcap", "chain"])) == (72, (232, 40))
-    assert built["rope_llama", None] == built["rope_llama", "chain"]
+    for variant, tile in ((None, "kv128c"), (V.SOFTCAP, "kv128c"), (V.ROPE_LLAMA, None), (V.ROPE_LLAMA, "kv128c")):
+        spec = ss.spec_for(tile=tile).replace(variant=variant)
+        log, sass = compile_kernel(tmp_path, spec, sass=True)
+        assert "serialized" not in log, log
+        assert_no_spills(log, sass, f"the sm90 kernel of {variant and variant.name} on {tile}")
+        built[variant and variant.name, tile] = [text for _, text, _ in ss.instructions(ss.function_of(sass, spec))]
+    assert (hgmma(built[None, "kv128c"]), setmaxnreg(built[None, "kv128c"])) == (8 + 16 + 16 + 20 + 12, (224, 56))
+    assert (hgmma(built["softcap", "kv128c"]), setmaxnreg(built["softcap", "kv128c"])) == (72, (232, 40))
+    assert built["rope_llama", None] == built["rope_llama", "kv128c"]
     assert hgmma(built["rope_llama", None]) == 3 * 8 + 2 * 8 + 4
 
 

@@ -29,14 +29,15 @@ GPU = tuning.gpu_id("sm_90a", 132)   # what plan() asks for on this machine (no 
 
 def test_tile_field_names_a_configuration_of_the_family():
     # head_dim 64 and 128 over a 16-bit cache also have the three-consumer tile; head_dim 256 and fp8 caches do not
-    every = ("kv128", "kv128q1", "kv64s3", "kv128t8", "kv128s3q1", "q192kv64", "kv160", "kv176q1")
+    every = ("kv128", "kv128q1", "kv64s3", "kv128t8", "kv128s3q1", "kv128c", "q192kv64", "kv160", "kv176q1")
     assert families.tile_names(AttentionSpec(**PREFILL)) == every
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 64})) == every
     fp8 = {k: v for k, v in PREFILL.items() if k != "dtype"}
-    assert families.tile_names(AttentionSpec(**fp8, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3")) == every[:5]
-    # attnjit tune searches only the configurations that have run on a GPU (all but kv128s3q1 now), and plan()
-    # takes no record of another
-    assert families.tunable_names(AttentionSpec(**PREFILL)) == tuple(n for n in every if n != "kv128s3q1")
+    assert families.tile_names(AttentionSpec(**fp8, dtype_q="bf16", dtype_o="bf16", dtype_kv="e4m3")) == every[:6]
+    # attnjit tune searches only the configurations that have run on a GPU (all but kv128s3q1 and kv128c now), and
+    # plan() takes no record of another
+    assert families.tunable_names(AttentionSpec(**PREFILL)) == tuple(n for n in every
+                                                                     if n not in ("kv128s3q1", "kv128c"))
     assert families.tunable_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     assert families.tile_names(AttentionSpec(**{**PREFILL, "head_dim": 256})) == ("kv64q1",)
     spec = AttentionSpec(**PREFILL, tile="kv64s3")

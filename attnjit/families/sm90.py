@@ -8,7 +8,9 @@ configuration ``q192kv64`` has three consumers (192-row items, 64-token K/V tile
 16-bit cache), taking turns at the tensor cores in a ring. ``kv160`` and ``kv176q1`` have wider K/V tiles; the
 default module also holds ``kv176q1`` and plan() runs it for batches of long requests (``choose_tile``). An item's
 last K/V tile whose visible keys fit in its first 64 columns (the causal diagonal of a short q tile, a short tail)
-runs its softmax and P V over those columns only (``Sm90Traits::NARROW``, kv128 tiles).
+runs its softmax and P V over those columns only (``Sm90Traits::NARROW``, kv128 tiles). ``kv128c`` is kv128 with
+consecutive items chained (``sm90/walk.cuh``): an item's last P V goes in one turn with the next item's first
+S = Q K^T, and its epilogue runs beside the other consumer's GEMMs.
 
 An fp8 cache (e4m3, e5m2) is copied as stored into the fp16 tiles it becomes and converted there by the producer
 (``sm90/producer.cuh``); the wgmma then run in fp16, a bf16 q rescaled per row into fp16 by the consumers.
@@ -88,6 +90,7 @@ class Tile:
     min_blocks: int = 1
     tau: int = 0       # the running max moves only past max + tau (log2 units): fewer O rescales, P <= 2^tau
     q_to_half: bool = False  # bf16 q over fp8: the Q rows' fp16 scales (CTA_Q floats)
+    chain: bool = False  # consecutive items chained (Sm90Traits::CHAIN, sm90/walk.cuh), where the kernel allows
 
     @property
     def cta_q(self) -> int:
@@ -109,7 +112,8 @@ class Tile:
     @property
     def name(self) -> str:
         tau = f"_t{self.tau}" if self.tau else ""
-        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}q{self.q_stages}{tau}_ws"
+        chain = "_c" if self.chain else ""
+        return f"q{self.cta_q}_kv{self.cta_kv}_s{self.stages}q{self.q_stages}{tau}{chain}_ws"
 
     @property
     def kernel(self) -> str:
@@ -124,6 +128,9 @@ CONFIGS: dict[str, dict[str, int]] = {
     "kv64s3": dict(cta_kv=64, stages=3, q_stages=2),    # smaller K/V tiles, one more in flight
     "kv128t8": dict(cta_kv=128, stages=2, q_stages=2, tau=8),  # O rescaled only when a row max grows past m + 8
     "kv128s3q1": dict(cta_kv=128, stages=3, q_stages=1),  # one more K/V tile in flight, for one Q tile
+    # kv128 with consecutive items chained (sm90/walk.cuh walk_chained): an item's last P V issued in one turn with
+    # the next item's S(0), its epilogue then, beside the other consumer's GEMMs (RESULTS.md, thirty-sixth session)
+    "kv128c": dict(cta_kv=128, stages=2, q_stages=2, chain=True),
 }
 # Wider K/V tiles over a 16-bit cache, head_dim 64 or 128: an iteration's fixed costs (the O rescale, the row
 # statistics, the turn and the K/V barriers) spread over more keys (FA3 takes 176 for non-causal head_dim 128); S and P
@@ -135,10 +142,11 @@ CONFIGS_WIDE: dict[str, dict[str, int]] = {"kv160": dict(cta_kv=160, stages=2, q
 # runs 55-58: a softmax beside wgmma runs 1.6x longer than alone, longer than one other warpgroup's GEMMs).
 CONFIGS_3: dict[str, dict[str, int]] = {"q192kv64": dict(cta_kv=64, stages=3, q_stages=2, consumers=3)}
 # Configurations built and tested on the host only so far: a spec or a wrapper may name them (the GPU tests and the
-# tsweep stage do), but attnjit tune does not search them until they have run on a GPU (RESULTS.md). Empty now:
-# q192kv64 ran in run 60 (its 11 tile-matrix cases passed; faster than kv128 on 1x8192 and the d64 row), kv160 and
-# kv176q1 in run 78 (9 tile-matrix cases each passed; kv176q1 +4% on causal 1x8192, slower on short rows).
-UNTUNED: frozenset[str] = frozenset({"kv128s3q1"})
+# tsweep stage do), but attnjit tune does not search them until they have run on a GPU (RESULTS.md): kv128s3q1, and
+# kv128c (the thirty-sixth session: no device machine started). q192kv64 ran in run 60 (its 11 tile-matrix cases
+# passed; faster than kv128 on 1x8192 and the d64 row), kv160 and kv176q1 in run 78 (9 tile-matrix cases each
+# passed; kv176q1 +4% on causal 1x8192, slower on short rows).
+UNTUNED: frozenset[str] = frozenset({"kv128s3q1", "kv128c"})
 CONFIGS_D256: dict[str, dict[str, int]] = {"kv64q1": dict(cta_kv=64, stages=2, q_stages=1)}
 
 

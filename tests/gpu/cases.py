@@ -227,7 +227,7 @@ TILE_CASES = [_P, replace(_P, name="paged-split-forced", split="force"), _R,
               replace(_R, name="ragged-fp8-e5m2-fp16-tiles", kv="e5m2", dtype=torch.float16, causal=False),
               replace(_P, name="paged-fp8-e4m3-p1-tiles", kv="e4m3", page_size=1, qo_lens=PREFILL_QO,
                       kv_lens=PREFILL_KV)]
-TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8", "kv128s3q1")] + \
+TILE_MATRIX = [(c, t) for c in TILE_CASES for t in ("kv128q1", "kv64s3", "kv128t8", "kv128s3q1", "kv128c")] + \
     [(c, "q192kv64") for c in TILE_CASES + [replace(_P, name="paged-d64-tiles", head_dim=64),
                                             replace(_R, name="ragged-d64-fp16-tiles", head_dim=64,
                                                     dtype=torch.float16, causal=False)]
@@ -346,8 +346,10 @@ VARIANTS = [
 
 
 VARIANT_MATRIX = [(c, f) for c in VARIANTS for f in c.families]
-# the variants on the sm90 tile whose softmax keeps a stale max (tau 8: P up to 2^8): each hook beside it
-VARIANT_TILE_MATRIX = [(c, "kv128t8") for c in VARIANTS if "sm90" in c.families and not c.kv and c.split == "auto"]
+# the variants on the sm90 tile whose softmax keeps a stale max (tau 8: P up to 2^8), and on the chained walk
+# (kv128c: a hooked softmax takes other registers there): each hook beside it
+VARIANT_TILE_MATRIX = [(c, t) for c in VARIANTS if "sm90" in c.families and not c.kv and c.split == "auto"
+                       for t in ("kv128t8", "kv128c")]
 
 
 # --- issue 14: RoPE inside attention, attention sinks (tests/gpu/test_serving.py) ----------------------------------
@@ -451,11 +453,37 @@ def pos_probe_spec(op: str, family: str) -> AttentionSpec:
     return base.spec(family).replace(variant=POS_PROBE)
 
 
+# Many items per CTA (tests/gpu/test_work_order.py test_sm90_many_items_per_cta_match_reference, test_variants.py
+# test_variant_on_sm90_with_many_items_per_cta): the wrapper sees 2 SMs, so each CTA walks from item to item (most
+# cases above have fewer (item, kv head) pairs than a 132-SM grid). Each item alone (walk_items: the default tiles)
+# and chained (walk_chained: kv128c). (With 2 SMs the long histories pick kv176q1, one Q stage, never chained.)
+_WALK_CASES = ("base", "paged-p1", "paged-p4", "paged-split-forced", "paged-hnd-p1-fp16-noncausal", "paged-noncausal",
+               "paged-shared-prefix", "ragged", "ragged-split-forced", "ragged-rising-logits",
+               "fp8-paged-e4m3-tensor-fp16-split-forced")
+WALK_MATRIX = [(n, t) for n in _WALK_CASES for t in (None, "kv128c")] + \
+    [("paged-d256", None), ("paged-long-history", "kv128t8"), ("paged-long-autosplit", "kv64s3"),
+     ("paged-long-history", "kv128c")]
+# each hook: a logits transform (soft-cap, ALiBi, a user's scaled logit; chained, their consumers take 232
+# registers), a mask, the window's skipped tiles, no softmax
+WALK_VARIANTS = [(c, t) for c in VARIANTS if c.name in (
+    "softcap-paged", "alibi-paged", "user_scaled-paged", "scaled_softcap-paged", "softcap_alibi-paged",
+    "softcap-ragged-split", "window-paged", "custom_mask-paged", "sigmoid-paged", "head_scale-paged")
+    for t in (None, "kv128c")]
+assert len(WALK_VARIANTS) == 20, "a case WALK_VARIANTS names was renamed"
+
+
+def sm90_case(name: str) -> Case:
+    """The sm90 family's case of MATRIX by name."""
+    return next(c for c, f in MATRIX if f == "sm90" and c.name == name)
+
+
 def all_specs() -> list[AttentionSpec]:
     out: list[AttentionSpec] = []
     views = [d for v in VIEW_SPECS + TRANSFORMERS_SPECS for d in _dispatched(v)]
     tiles = [c.spec("sm90").replace(tile=t) for c, t in TILE_MATRIX] + \
-        [c.spec("sm90").replace(tile=t) for c, t in VARIANT_TILE_MATRIX]
+        [c.spec("sm90").replace(tile=t) for c, t in VARIANT_TILE_MATRIX] + \
+        [sm90_case(n).spec("sm90").replace(tile=t) for n, t in WALK_MATRIX] + \
+        [c.spec("sm90").replace(tile=t) for c, t in WALK_VARIANTS]
     serving = [c.spec(f) for c, f in SERVING_MATRIX]
     probes = [pos_probe_spec(op, f) for op, f in POS_PROBE_RUNS]
     for s in [c.spec(f) for c, f in MATRIX] + EXTRA_SPECS + [c.spec(f) for c, f in VARIANT_MATRIX] + views + tiles \

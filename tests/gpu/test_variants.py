@@ -17,7 +17,7 @@ from attnjit.reference import Hooks
 from ..helpers import (assert_close, assert_lse_close, fp8_kwargs, i32, make_paged, make_ragged, poisoned, quantize,
                        quantize_cache)
 from .cases import (BACKEND, DEC_MED, MIXED_KV, MIXED_QO, POS_PROBE, POS_PROBE_RUNS, VARIANT_MATRIX,
-                    VARIANT_TILE_MATRIX, VariantCase, pos_probe_spec)
+                    VARIANT_TILE_MATRIX, WALK_VARIANTS, VariantCase, pos_probe_spec)
 
 DEV = "cuda"
 H_Q, H_KV, D = 32, 8, 128
@@ -84,9 +84,22 @@ def test_variant_matches_reference(case: VariantCase, family: str, workspace):
 
 @pytest.mark.parametrize("case,tile", VARIANT_TILE_MATRIX, ids=[f"{c.name}-sm90-{t}" for c, t in VARIANT_TILE_MATRIX])
 def test_variant_on_sm90_tile_configurations(case: VariantCase, tile: str, workspace):
-    """The variant hooks on the sm90 tiles attnjit tune may pick (kv128t8's stale max: P up to 2^8)."""
+    """The variant hooks on the sm90 tiles attnjit tune may pick (kv128t8's stale max: P up to 2^8) and on the
+    chained walk (kv128c)."""
     w = check_variant(case, "sm90", workspace, tile=tile)
     assert w._plan.spec.tile == tile
+
+
+# Many items per CTA, each hook: the cases and why, tests/gpu/cases.py WALK_VARIANTS.
+@pytest.mark.parametrize("case,tile", WALK_VARIANTS, ids=[c.name + (f"-{t}" if t else "") for c, t in WALK_VARIANTS])
+def test_variant_on_sm90_with_many_items_per_cta(case: VariantCase, tile: str | None, workspace, monkeypatch):
+    from attnjit import dispatch
+
+    monkeypatch.setattr(dispatch, "num_sms", lambda device=None: 2)
+    w = check_variant(case, "sm90", workspace, tile=tile)
+    plan = w._plan
+    assert plan.spec.tile == tile
+    assert plan.attn.grid[0] <= 2 < plan.work.num_items * plan.num_kv_heads, (plan.attn.grid, plan.work.num_items)
 
 
 def check_variant(case: VariantCase, family: str, workspace, tile: str | None = None):

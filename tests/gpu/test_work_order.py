@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ..helpers import assert_close, assert_lse_close, poisoned, quantize_cache
-from .cases import MATRIX
+from .cases import MATRIX, WALK_MATRIX, sm90_case
 from .test_attention import DEV, _cache_arg, plan_case, run_case, workspace  # noqa: F401 (the fixture)
 
 _NAMES = ("base", "paged-long-history", "paged-split-forced", "paged-p1", "paged-d256", "ragged",
@@ -75,3 +75,22 @@ def test_sm90_claims_repeat_and_leave_the_counters_zero(name, workspace):
         assert torch.equal(l_, lse), f"run {i} lse"
     head = _head(w)
     assert head[1] == 0 and head[2] == 0, head
+
+
+# Many items per CTA: the cases and why, tests/gpu/cases.py WALK_MATRIX.
+
+
+@pytest.mark.parametrize("name,tile", WALK_MATRIX, ids=[n + (f"-{t}" if t else "") for n, t in WALK_MATRIX])
+def test_sm90_many_items_per_cta_match_reference(name, tile, workspace, monkeypatch):
+    from attnjit import dispatch
+
+    monkeypatch.setattr(dispatch, "num_sms", lambda device=None: 2)
+    case = sm90_case(name)
+    w, out, lse, ref_o, ref_lse = run_case(case, workspace, seed=zlib.crc32(name.encode()) % 1000 + 7, family="sm90",
+                                           tile=tile)
+    torch.cuda.synchronize()
+    plan = w._plan
+    assert w.last_plan["family"] == "sm90" and plan.spec.tile == tile
+    assert plan.attn.grid[0] <= 2 < plan.work.num_items * plan.num_kv_heads, (plan.attn.grid, plan.work.num_items)
+    assert_close(out, ref_o, torch.bfloat16 if case.kv else case.dtype)
+    assert_lse_close(lse, ref_lse)

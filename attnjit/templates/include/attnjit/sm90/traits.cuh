@@ -19,13 +19,10 @@ constexpr bool kKvInterleave = true;
 // page-offsets turns it off.
 constexpr bool kGatherPageBase = true;
 
-// Whether consecutive work items are chained in the consumers (Sm90Traits::CHAIN, sm90/walk.cuh walk_chained):
-// an item's last P V issued with the next item's first S = Q K^T. Off until it has run on a GPU (built and checked
-// on a CPU only, RESULTS.md's thirty-sixth section); the what-if chain turns it on.
-constexpr bool kChainItems = false;
 
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
-          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant>
+          int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant,
+          bool CHAIN_ = false>
 struct Sm90Traits {
   using T = T_;      // q's type (the Q tile as it lands)
   using TKV = TKV_;  // the cache's element type: T, or fp8 (e4m3 / e5m2)
@@ -58,7 +55,8 @@ struct Sm90Traits {
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   // the softmax of tile j under the tensor cores' P(j-1) V(j-1): S(j) and P(j-1) live at once (not at head_dim 256)
   static constexpr bool OVERLAP = HEAD_DIM_ <= 128;
-  // Consecutive items chained (kChainItems, sm90/walk.cuh walk_chained). The next pair is waited for before an
+  // Consecutive items chained (sm90/walk.cuh walk_chained), where the tile configuration asks for it (CHAIN_: the
+  // sm90 family's kv128c, attnjit/families/sm90.py) and the kernel allows. The next pair is waited for before an
   // item's epilogue, so its Q needs a stage of its own. Not where the consumers prepare the Q tile together first
   // (an fp8 cache under a bf16 q, a query transform: their barriers), nor in the tile configurations of wide K/V
   // tiles or three consumers (kv160 and q192kv64 spilled in the main loop). A softmax with a hook (a logits
@@ -69,7 +67,8 @@ struct Sm90Traits {
   static constexpr bool HOOKED_SOFTMAX =
       VARIANT_::HAS_SINK || (VARIANT_::HAS_LOGITS_TRANSFORM && VARIANT_::USE_SOFTMAX);
   static constexpr bool TMA_PRODUCER = !FP8_KV && (!PAGED || PAGE_SIZE_ % 16 == 0);
-  static constexpr bool CHAIN = kChainItems && OVERLAP && CONSUMERS_ == 2 && CTA_KV_ <= 128 && Q_STAGES_ >= 2 &&
+  static constexpr bool CHAIN_ASKED = CHAIN_;
+  static constexpr bool CHAIN = CHAIN_ && OVERLAP && CONSUMERS_ == 2 && CTA_KV_ <= 128 && Q_STAGES_ >= 2 &&
                                 !Q_TO_HALF && !VARIANT_::HAS_QUERY_TRANSFORM && (!HOOKED_SOFTMAX || TMA_PRODUCER);
   static constexpr bool WIDE_CONSUMERS = CHAIN && HOOKED_SOFTMAX;
   // setmaxnreg budgets. The CTA starts with LAUNCH_REGS per thread (64K / threads, rounded down to a multiple of 8:

@@ -2,7 +2,8 @@
 // kernel family. A family describes its tiles with a geometry struct G:
 //   T (q and the tiles' 16-bit type), TKV (the cache's element type: T, or fp8), HEAD_DIM, GROUP, CTA_Q, CTA_KV,
 //   PAGED, PAGE_SIZE, HND, PAGES_PER_TILE, PAGE_RING,
-//   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1),
+//   LOAD_THREADS (threads that copy, numbered tid = 0..LOAD_THREADS-1), GATHER_PAGE_BASE (gather_page_base: small
+//   pages addressed from per-thread bases),
 //   Q_PITCH, Q_STEP, KV_PITCH, KV_STEP, KV_GS (the tile layouts, see tile_offset).
 // Threads copy 8 to a row: thread tid copies chunks tid % 8 + 8 j (j < HEAD_DIM / 64) of rows tid / 8 + s * RPP
 // (RPP = LOAD_THREADS / 8 rows per pass), so 8 neighbouring threads write 8 different bank groups and one address
@@ -18,8 +19,6 @@
 // (fa2/fp8_frags.cuh), or converts it into the 16-bit swizzled layout the mainloop reads (dequant_rows here, the
 // sm90 producer in place).
 #pragma once
-#include <type_traits>
-
 #include "attnjit/common.cuh"
 #include "attnjit/fp8.cuh"
 #include "attnjit/paged.cuh"
@@ -171,19 +170,14 @@ __host__ __device__ constexpr bool pass_in_page() {
 // Whether gather_kv addresses a row of pages smaller than a pass (RPP a multiple of PAGE_SIZE: 1, 2, 4, 8) from
 // per-thread bases: the thread's slot in its page is then the same on every pass, so a row's address is the base
 // plus its page id times the page stride in bytes (three integer instructions a pass), not the full offset in
-// elements, checked and scaled (eleven at page 1, sm_90a). A family opts in with GATHER_PAGE_BASE (sm90, where its
-// producer has the registers: its copies issue beside the consumers' softmax; fa2 keeps the code it was tuned
+// elements, checked and scaled (eleven at page 1, sm_90a). A family opts in with G::GATHER_PAGE_BASE (sm90, where
+// its producer has the registers: its copies issue beside the consumers' softmax; fa2 keeps the code it was tuned
 // with). Not over an fp8 cache: its producer, which converts the tiles in place, spilled 16 bytes with the bases
 // live (page 1, sm_90a).
-template <typename G, typename = void>
-struct GatherPageBase : std::false_type {};
-template <typename G>
-struct GatherPageBase<G, std::void_t<decltype(G::GATHER_PAGE_BASE)>> : std::bool_constant<G::GATHER_PAGE_BASE> {};
-
 template <typename G>
 __host__ __device__ constexpr bool gather_page_base() {
   constexpr int RPP = G::LOAD_THREADS / 8;
-  return GatherPageBase<G>::value && G::PAGED && G::PAGE_SIZE < RPP && RPP % G::PAGE_SIZE == 0 &&
+  return G::GATHER_PAGE_BASE && G::PAGED && G::PAGE_SIZE < RPP && RPP % G::PAGE_SIZE == 0 &&
          sizeof(typename G::TKV) == 2;
 }
 

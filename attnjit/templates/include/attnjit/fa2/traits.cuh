@@ -83,6 +83,7 @@ struct AttentionTraits {
   static constexpr bool Q_IN_REGS = NUM_MMA_Q * (HEAD_DIM / 16) * 4 <= 32;
   // the shared loaders' geometry (attnjit/kv_load.cuh): every thread copies; rows are contiguous in shared memory
   static constexpr int LOAD_THREADS = NUM_THREADS;
+  static constexpr bool GATHER_PAGE_BASE = false;  // small pages: each row's offset in elements (kv_load.cuh)
   static constexpr int Q_PITCH = ROW_BYTES, Q_STEP = 128, KV_PITCH = ROW_BYTES, KV_STEP = 128;
   static constexpr int KV_GS = 8 * KV_PITCH;  // bytes from one 8-row group to the next (rows are contiguous)
 

@@ -19,7 +19,6 @@ constexpr bool kKvInterleave = true;
 // page-offsets turns it off.
 constexpr bool kGatherPageBase = true;
 
-
 template <typename T_, typename TO_, typename TKV_, int HEAD_DIM_, int GROUP_, bool CAUSAL_, bool PAGED_, int PAGE_SIZE_, bool HND_,
           int CTA_KV_, int NUM_STAGES_, int Q_STAGES_, int TAU_ = 0, int CONSUMERS_ = 2, typename VARIANT_ = NoVariant,
           bool CHAIN_ = false>
